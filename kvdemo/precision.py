@@ -1,0 +1,187 @@
+"""KV-cache precision: one frozen spec that flows from the sidebar / CLI to the kernels.
+
+A `PrecisionSpec` says how cached keys and values are stored:
+
+- format of keys and of values: ``full`` (the model's dtype), ``int8`` / ``int4`` / ``int2``
+  (asymmetric: 16-bit scale + 16-bit zero point per group) or ``fp8_e4m3`` / ``fp8_e5m2``
+  (16-bit scale per group, no zero point);
+- key axis: ``channel`` (default; KIVI / KVQuant: per channel, groups of ``group_size`` tokens) or
+  ``token`` (per token, groups of ``group_size`` channels, for comparison with per-token schemes);
+  values are always per token, in groups of ``min(group_size, head_dim)`` channels;
+- ``residual``: newest tokens held in full precision until ``residual`` of them have collected,
+  then every full block of ``group_size`` tokens is quantized (KIVI's residual);
+- ``sinks``: the first tokens of the sequence, kept in full precision (StreamingLLM, KVQuant).
+
+Strings: a preset name, optionally followed by options, e.g. ``int4``, ``k8v4``,
+``int4:g64:r128:s4``, ``k8v4:ktoken``. See `parse_precision`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+FORMATS = ("full", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2")
+CODE_BITS = {"int8": 8, "int4": 4, "int2": 2, "fp8_e4m3": 8, "fp8_e5m2": 8}
+KEY_AXES = ("channel", "token")
+GROUP_SIZES = (16, 32, 64, 128, 256)
+META_BITS = 16  # every scale and every zero point is stored in 16 bits (fp16)
+
+DEFAULT_GROUP = 128
+DEFAULT_RESIDUAL = 128
+DEFAULT_SINKS = 4
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    key_format: str = "full"
+    value_format: str = "full"
+    key_axis: str = "channel"
+    group_size: int = DEFAULT_GROUP
+    residual: int = DEFAULT_RESIDUAL
+    sinks: int = DEFAULT_SINKS
+    preset: str = ""  # the preset this spec came from, for labels
+
+    def __post_init__(self):
+        for what, fmt in (("key", self.key_format), ("value", self.value_format)):
+            if fmt not in FORMATS:
+                raise ValueError(f"unknown {what} format {fmt!r}; allowed: {', '.join(FORMATS)}")
+        if (self.key_format == "full") != (self.value_format == "full"):
+            raise ValueError("keys and values are either both full precision or both quantized")
+        if self.key_axis not in KEY_AXES:
+            raise ValueError(f"unknown key axis {self.key_axis!r}; allowed: {', '.join(KEY_AXES)}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(
+                f"group size {self.group_size} not supported; allowed: {', '.join(map(str, GROUP_SIZES))}"
+            )
+        if self.residual < 0 or self.sinks < 0:
+            raise ValueError("residual and sinks must be >= 0")
+        if self.is_quantized and (self.residual == 0 or self.residual % self.group_size):
+            raise ValueError(
+                f"residual ({self.residual}) must be a positive multiple of the group size "
+                f"({self.group_size}): keys are quantized in whole blocks of group_size tokens"
+            )
+        if self.is_quantized and self.sinks >= self.group_size:
+            raise ValueError(f"sinks ({self.sinks}) must be smaller than the group size ({self.group_size})")
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.key_format != "full"
+
+    @property
+    def key_bits(self) -> int:
+        return CODE_BITS.get(self.key_format, 16)
+
+    @property
+    def value_bits(self) -> int:
+        return CODE_BITS.get(self.value_format, 16)
+
+    def value_group(self, head_dim: int) -> int:
+        """Channels per value group (values are grouped along head_dim, per token)."""
+        return min(self.group_size, head_dim)
+
+    def key_group(self, head_dim: int) -> int:
+        """Tokens per key group (channel axis) or channels per key group (token axis)."""
+        return self.group_size if self.key_axis == "channel" else min(self.group_size, head_dim)
+
+    def bits_per_element(self, head_dim: int, full_bits: int = 16) -> dict:
+        """Bits per cached key / value element in the quantized region: code + metadata / group."""
+        if not self.is_quantized:
+            return {"key": float(full_bits), "value": float(full_bits), "mean": float(full_bits)}
+        k = self.key_bits + _meta_bits(self.key_format) / self.key_group(head_dim)
+        v = self.value_bits + _meta_bits(self.value_format) / self.value_group(head_dim)
+        return {"key": k, "value": v, "mean": (k + v) / 2}
+
+    @property
+    def label(self) -> str:
+        """Short name: the preset alone when every option is the default, else with options."""
+        base = self.preset or _kv_name(self.key_format, self.value_format)
+        if not self.is_quantized:
+            return base
+        opts = []
+        if self.group_size != DEFAULT_GROUP:
+            opts.append(f"g{self.group_size}")
+        if self.residual != DEFAULT_RESIDUAL:
+            opts.append(f"r{self.residual}")
+        if self.sinks != DEFAULT_SINKS:
+            opts.append(f"s{self.sinks}")
+        if self.key_axis != "channel":
+            opts.append("ktoken")
+        return ":".join([base, *opts])
+
+    def to_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "key_format": self.key_format,
+            "value_format": self.value_format,
+            "key_axis": self.key_axis,
+            "group_size": self.group_size,
+            "residual": self.residual,
+            "sinks": self.sinks,
+        }
+
+
+def _meta_bits(fmt: str) -> int:
+    return META_BITS if fmt.startswith("fp8") else 2 * META_BITS  # fp8: scale; int: scale + zero
+
+
+def _kv_name(key_format: str, value_format: str) -> str:
+    if key_format == value_format:
+        return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}.get(key_format, key_format)
+    return f"k{CODE_BITS[key_format]}v{CODE_BITS[value_format]}"
+
+
+PRESETS: dict[str, PrecisionSpec] = {
+    "full": PrecisionSpec("full", "full", residual=0, sinks=0, preset="full"),
+    "fp8": PrecisionSpec("fp8_e4m3", "fp8_e4m3", preset="fp8"),
+    "fp8-e5m2": PrecisionSpec("fp8_e5m2", "fp8_e5m2", preset="fp8-e5m2"),
+    "int8": PrecisionSpec("int8", "int8", preset="int8"),
+    "int4": PrecisionSpec("int4", "int4", preset="int4"),
+    "int2": PrecisionSpec("int2", "int2", preset="int2"),
+    "k8v4": PrecisionSpec("int8", "int4", preset="k8v4"),
+    "k4v8": PrecisionSpec("int4", "int8", preset="k4v8"),
+    "k8v2": PrecisionSpec("int8", "int2", preset="k8v2"),
+    "k4v2": PrecisionSpec("int4", "int2", preset="k4v2"),
+}
+ALIASES = {"fp16": "full", "bf16": "full", "baseline": "full", "fp8-e4m3": "fp8", "k8v8": "int8", "k4v4": "int4"}
+
+
+def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
+    """`int4`, `k8v4`, `int4:g64:r128:s4`, `k8v4:ktoken` -> PrecisionSpec (ValueError with the reason)."""
+    if isinstance(text, PrecisionSpec):
+        return text
+    parts = [p.strip() for p in str(text).strip().lower().split(":")]
+    name = ALIASES.get(parts[0], parts[0])
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown precision {text!r}; presets: {', '.join(PRESETS)} "
+            "(options: g<group> r<residual> s<sinks> ktoken, e.g. int4:g64:r128:s4)"
+        )
+    spec = PRESETS[name]
+    options = {}
+    for opt in parts[1:]:
+        if opt in ("ktoken", "kchannel"):
+            options["key_axis"] = opt[1:]
+        elif len(opt) > 1 and opt[0] in "grs" and opt[1:].isdigit():
+            options[{"g": "group_size", "r": "residual", "s": "sinks"}[opt[0]]] = int(opt[1:])
+        else:
+            raise ValueError(f"unknown precision option {opt!r} in {text!r}; options: g<N> r<N> s<N> ktoken")
+    if options and not spec.is_quantized:
+        raise ValueError(f"{name!r} stores the cache unquantized and takes no options")
+    if "group_size" in options and "residual" not in options:
+        options["residual"] = max(spec.residual, options["group_size"])
+        options["residual"] -= options["residual"] % options["group_size"]
+    return replace(spec, **options)
+
+
+def parse_precision_list(text: str) -> list[PrecisionSpec]:
+    """`full,int8,k8v4` -> [PrecisionSpec, ...] (duplicates removed, order kept)."""
+    specs, seen = [], set()
+    for item in str(text).split(","):
+        if item.strip():
+            spec = parse_precision(item)
+            if spec.label not in seen:
+                specs.append(spec)
+                seen.add(spec.label)
+    if not specs:
+        raise ValueError("no precision given; presets: " + ", ".join(PRESETS))
+    return specs

@@ -1,0 +1,257 @@
+"""PyTorch reference for every KV format: the ground truth the Triton kernels are tested against.
+
+Layouts (B batch, H kv heads, T tokens, D head_dim, P = 8 // bits codes per byte):
+
+- codes: uint8 ``[B, H, T, D // P]``, packed *planar* along head_dim: byte ``c`` of a row holds the
+  codes of channels ``c, c + D/P, c + 2D/P, ...`` (lowest bits first). Plane ``p`` (a contiguous run
+  of D/P channels) is one shift-and-mask away, which suits both a matmul on CPU and a Triton tile.
+  fp8 codes are the raw float8 bytes (P = 1).
+- groups along tokens (``axis="channel"``, keys): ``scale``/``zero`` fp16 ``[B, H, T // G, D]``;
+- groups along channels (``axis="token"``, values, or keys per token): fp16 ``[B, H, T, D // G]``.
+
+Integer formats are asymmetric, ``x ~ scale * code + zero`` with ``zero = min`` and
+``scale = (max - min) / (2^bits - 1)``; fp8 is ``x ~ scale * fp8(x / scale)`` with
+``scale = absmax / fp8_max``. Scales are clamped away from zero (no division by zero on constant
+groups) and metadata is clamped to the fp16 range (finite inputs never give NaN).
+References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP16_MAX = 65504.0
+MIN_SCALE = 1e-6  # fp16-representable, keeps (x - zero) / scale finite for constant groups
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed codes plus their 16-bit metadata; `zero` is None for fp8."""
+
+    codes: torch.Tensor  # uint8 [B, H, T, D // P]
+    scale: torch.Tensor  # fp16, [B, H, T // G, D] (axis="channel") or [B, H, T, D // G] (axis="token")
+    zero: torch.Tensor | None
+    fmt: str
+    axis: str
+    group: int
+    head_dim: int
+
+    def nbytes(self) -> dict:
+        meta = self.scale.numel() * self.scale.element_size()
+        if self.zero is not None:
+            meta += self.zero.numel() * self.zero.element_size()
+        return {"codes": self.codes.numel() * self.codes.element_size(), "scales": meta}
+
+
+def codes_per_byte(fmt: str) -> int:
+    return 8 // INT_BITS[fmt] if fmt in INT_BITS else 1
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., D] (each < 2^bits) -> planar packed uint8 [..., D * bits // 8]."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes.to(torch.uint8)
+    d = codes.shape[-1]
+    if d % per_byte:
+        raise ValueError(f"head_dim {d} is not a multiple of {per_byte} ({bits}-bit packing)")
+    planes = codes.to(torch.uint8).unflatten(-1, (per_byte, d // per_byte))  # [..., P, D/P]
+    packed = planes[..., 0, :].clone()
+    for p in range(1, per_byte):
+        packed |= planes[..., p, :] << (bits * p)
+    return packed
+
+
+def unpack_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """Planar packed uint8 [..., D/P] -> P planes of uint8 codes [..., D/P] (channels p*D/P ...)."""
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return [packed]
+    mask = (1 << bits) - 1
+    return [(packed >> (bits * p)) & mask for p in range(per_byte)]
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack`: uint8 [..., D * bits // 8] -> uint8 codes [..., D]."""
+    return torch.cat(unpack_planes(packed, bits), dim=-1)
+
+
+def _grouped(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
+    """x [B, H, T, D] -> view whose dim -2 (token axis) or -1 (channel axis) runs inside one group."""
+    b, h, t, d = x.shape
+    if axis == "channel":
+        if t % group:
+            raise ValueError(f"{t} tokens is not a whole number of {group}-token groups")
+        return x.view(b, h, t // group, group, d)  # reduce over dim -2
+    if d % group:
+        raise ValueError(f"head_dim {d} is not a multiple of group size {group}")
+    return x.view(b, h, t, d // group, group)  # reduce over dim -1
+
+
+def quantize(x: torch.Tensor, fmt: str, axis: str, group: int) -> QuantizedTensor:
+    """x [B, H, T, D] float -> QuantizedTensor. axis="channel": groups of `group` tokens per channel."""
+    if x.dim() != 4:
+        raise ValueError(f"expected [B, H, T, D], got shape {tuple(x.shape)}")
+    d = x.shape[-1]
+    xf = torch.nan_to_num(x.float(), nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX).clamp(-FP16_MAX, FP16_MAX)
+    g = _grouped(xf, axis, group)
+    red = -2 if axis == "channel" else -1
+    if fmt in FP8_DTYPES:
+        amax = g.abs().amax(dim=red, keepdim=True)
+        scale = (amax / FP8_MAX[fmt]).clamp(min=MIN_SCALE).half().float()
+        codes = (g / scale).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPES[fmt]).view(torch.uint8)
+        zero = None
+    elif fmt in INT_BITS:
+        levels = (1 << INT_BITS[fmt]) - 1
+        lo = g.amin(dim=red, keepdim=True).half().float()
+        hi = g.amax(dim=red, keepdim=True)
+        scale = ((hi - lo) / levels).clamp(min=MIN_SCALE, max=FP16_MAX).half().float()
+        codes = ((g - lo) / scale).round_().clamp_(0, levels).to(torch.uint8)
+        zero = lo.squeeze(red).half()
+    else:
+        raise ValueError(f"cannot quantize to {fmt!r}")
+    codes = codes.view(x.shape)
+    packed = pack(codes, INT_BITS.get(fmt, 8))
+    return QuantizedTensor(packed, scale.squeeze(red).half(), zero, fmt, axis, group, d)
+
+
+def decode_codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Packed uint8 [..., D/P] -> code values as float32 [..., D] (integer levels or fp8 values)."""
+    if fmt in FP8_DTYPES:
+        return packed.view(FP8_DTYPES[fmt]).float()
+    return unpack(packed, INT_BITS[fmt]).float()
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """QuantizedTensor -> [B, H, T, D] in `dtype`."""
+    codes = decode_codes(q.codes, q.fmt)  # [B, H, T, D]
+    g = _grouped(codes, q.axis, q.group)
+    red = -2 if q.axis == "channel" else -1
+    x = g * q.scale.float().unsqueeze(red)
+    if q.zero is not None:
+        x = x + q.zero.float().unsqueeze(red)
+    return x.view(codes.shape).to(dtype)
+
+
+def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> torch.Tensor:
+    """Per-element worst-case round-trip error for `x` [B, H, T, D] (used by the tests).
+
+    int: half a quantization step (+ fp16 rounding of the zero point); fp8: half an ulp at the
+    element's magnitude (2^-4 relative for e4m3, 2^-3 for e5m2) plus the subnormal floor.
+    """
+    xf = x.float()
+    g = _grouped(xf, axis, group)
+    red = -2 if axis == "channel" else -1
+    if fmt in INT_BITS:
+        levels = (1 << INT_BITS[fmt]) - 1
+        span = g.amax(dim=red, keepdim=True) - g.amin(dim=red, keepdim=True)
+        step = (span / levels).clamp(min=MIN_SCALE)
+        bound = step * 0.5 * (1 + 2e-3) + g.abs().amax(dim=red, keepdim=True) * 1e-3
+        return bound.expand_as(g).reshape(x.shape)
+    rel = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}[fmt]
+    scale = (g.abs().amax(dim=red, keepdim=True) / FP8_MAX[fmt]).clamp(min=MIN_SCALE)
+    floor = scale * {"fp8_e4m3": 2.0**-9, "fp8_e5m2": 2.0**-16}[fmt] * 2
+    return (g.abs() * rel * (1 + 2e-3) + floor + scale * 1e-3).reshape(x.shape)
+
+
+# --- attention over the packed cache: the PyTorch twin of triton_kernels.past_attention ---------
+
+
+def _planes(codes: torch.Tensor, fmt: str) -> list[torch.Tensor]:
+    """Packed codes [..., D/P] -> P float32 planes [..., D/P] (plane p = channels [p*D/P, (p+1)*D/P))."""
+    if fmt in FP8_DTYPES:
+        return [codes.view(FP8_DTYPES[fmt]).float()]
+    return [p.float() for p in unpack_planes(codes, INT_BITS[fmt])]
+
+
+def _channel_key_scores(qg: torch.Tensor, kv) -> torch.Tensor:
+    """Scores of qg [B, H, M, D] against per-channel-quantized keys, without dequantizing them.
+
+    k[t, c] = scale[b(t), c] * code[t, c] + zero[b(t), c]  =>
+    q . k_t = sum_c (q_c scale_bc) code_tc + sum_c q_c zero_bc   (one matmul per plane and block)
+    """
+    b, h, m, d = qg.shape
+    scale = kv.key_scale.float()  # [B, H, NB, D]
+    nb, g = scale.shape[-2], kv.key_group
+    q_scaled = qg.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, NB, M, D]
+    planes = _planes(kv.key_codes, kv.key_format)  # each [B, H, NB*G, D/P]
+    dp = d // len(planes)
+    scores = None
+    for p, plane in enumerate(planes):
+        part = q_scaled[..., p * dp : (p + 1) * dp] @ plane.view(b, h, nb, g, dp).transpose(-1, -2)
+        scores = part if scores is None else scores + part  # [B, H, NB, M, G]
+    if kv.key_zero is not None:
+        bias = (qg.unsqueeze(2) * kv.key_zero.float().unsqueeze(3)).sum(-1)  # [B, H, NB, M]
+        scores = scores + bias.unsqueeze(-1)
+    return scores.permute(0, 1, 3, 2, 4).reshape(b, h, m, nb * g)
+
+
+def _token_value_output(p: torch.Tensor, codes: torch.Tensor, scale, zero, fmt: str, group: int) -> torch.Tensor:
+    """sum_t p[m, t] v_t for per-token-quantized values, without dequantizing them.
+
+    p [B, H, M, T]; codes [B, H, T, D/P]; scale/zero [B, H, T, D/G]. v_tc = s_tj code_tc + z_tj (j = c // G).
+    """
+    b, h, m, t = p.shape
+    ps = p.unsqueeze(-1) * scale.float().unsqueeze(2)  # [B, H, M, T, NG]
+    planes = _planes(codes, fmt)
+    dp = planes[0].shape[-1]
+    outs = []
+    for i, plane in enumerate(planes):
+        if group >= dp:  # the whole plane sits inside one group
+            outs.append(ps[..., (i * dp) // group] @ plane)  # [B, H, M, D/P]
+        else:
+            k, j0 = dp // group, (i * dp) // group
+            part = torch.einsum("bhmtj,bhtjc->bhmjc", ps[..., j0 : j0 + k], plane.view(b, h, t, k, group))
+            outs.append(part.reshape(b, h, m, dp))
+    out = torch.cat(outs, dim=-1)
+    if zero is not None:
+        out = out + (p @ zero.float()).repeat_interleave(group, dim=-1)
+    return out
+
+
+def past_attention(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None):
+    """Attention of every query over the stored past of one layer (no causal mask is needed: every
+    stored position precedes every query). Grouped-query: one K/V read serves each group of heads.
+
+    query: [B, Hq, n, D]; kv: cache.PackedKV with kv.length > 0, Hkv heads dividing Hq;
+    mask: optional bool [B, 1 or Hq, n, length], True = attend.
+    Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]) for a log-sum-exp merge with other parts.
+    """
+    b, hq, n, d = query.shape
+    hkv = kv.sink_keys.shape[1]
+    grp = hq // hkv
+    qg = query.float().reshape(b, hkv, grp * n, d)  # [B, Hkv, M, D], rows = (head in group, query)
+    s, q = kv.num_sinks, kv.quant_len
+    scores = [qg @ kv.sink_keys.float().transpose(-1, -2)]
+    if q > s:
+        if kv.key_axis == "channel":
+            scores.append(_channel_key_scores(qg, kv)[..., s:q])
+        else:
+            keys = dequantize(kv.quantized_keys())[:, :, s:q]
+            scores.append(qg @ keys.transpose(-1, -2))
+    scores.append(qg @ kv.residual_keys.float().transpose(-1, -2))
+    logits = torch.cat(scores, dim=-1) * scaling  # [B, Hkv, M, length]
+    if mask is not None:
+        m = mask.expand(b, hq, n, kv.length).reshape(b, hkv, grp * n, kv.length)
+        logits = logits.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, Hkv, M, 1]
+    probs = torch.exp(logits - lse).nan_to_num_(0.0)
+    r = kv.residual_keys.shape[-2]
+    out = probs[..., :s] @ kv.sink_values.float()
+    if q > s:
+        out = out + _token_value_output(
+            probs[..., s:q],
+            kv.value_codes[:, :, s:q],
+            kv.value_scale[:, :, s:q],
+            None if kv.value_zero is None else kv.value_zero[:, :, s:q],
+            kv.value_format,
+            kv.value_group,
+        )
+    if r:
+        out = out + probs[..., kv.length - r :] @ kv.residual_values.float()
+    return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)

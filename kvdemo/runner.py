@@ -1,0 +1,213 @@
+"""Run a model over a cache at a chosen precision: prefill, stream greedy tokens, score answers, and
+compare full precision with quantized precisions on the same tokens, side by side.
+
+Everything here takes a `LoadedModel` and plain token lists; results are dataclasses with `to_dict()`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cache import QuantizedKVCache
+from .models import LoadedModel
+from .precision import PrecisionSpec, parse_precision
+
+PREFILL_CHUNK = 2048  # long prompts are prefilled in chunks: bounded activation memory on CPU
+
+
+class Cancelled(Exception):
+    """Raised inside a run when its `should_stop` callback says so."""
+
+
+def chat_ids(lm: LoadedModel, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation with the model's chat template (plain text if it has none)."""
+    tok = lm.tokenizer
+    if getattr(tok, "chat_template", None):
+        out = tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+    text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return tok(text + ("\n\nassistant:" if add_generation_prompt else ""), add_special_tokens=True)["input_ids"]
+
+
+def new_cache(lm: LoadedModel, spec: PrecisionSpec | str) -> QuantizedKVCache:
+    return QuantizedKVCache(parse_precision(spec), num_layers=lm.num_layers)
+
+
+def fork(cache: QuantizedKVCache) -> QuantizedKVCache:
+    """An independent copy (to score an answer and still generate from the same prefill)."""
+    return copy.deepcopy(cache)
+
+
+def stop_token_ids(lm: LoadedModel) -> set[int]:
+    ids = set()
+    for source in (getattr(lm.model, "generation_config", None), lm.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if lm.tokenizer.eos_token_id is not None:
+        ids.add(lm.tokenizer.eos_token_id)
+    for special in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+        tid = lm.tokenizer.convert_tokens_to_ids(special)
+        if isinstance(tid, int) and tid != lm.tokenizer.unk_token_id and tid >= 0:
+            ids.add(tid)
+    return ids
+
+
+@torch.no_grad()
+def forward(lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Append `ids` to the cache; return float32 logits [len(ids), vocab] of those positions' next tokens."""
+    if not len(ids):
+        raise ValueError("nothing to run: empty token list")
+    x = torch.tensor([list(ids)], device=lm.device)
+    outs = []
+    for start in range(0, x.shape[1], chunk):
+        piece = x[:, start : start + chunk]
+        logits = lm.model(input_ids=piece, past_key_values=cache, use_cache=True).logits
+        outs.append(logits[0].float())
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def prefill(lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Append `ids`; return the float32 logits [vocab] for the token after them (only the last row)."""
+    x = torch.tensor([list(ids)], device=lm.device)
+    last = None
+    for start in range(0, x.shape[1], chunk):
+        piece = x[:, start : start + chunk]
+        last = lm.model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return last.float()
+
+
+@dataclass
+class Generation:
+    precision: str
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    stopped: str  # "eos" | "length" | "cancelled"
+    cache_bytes: dict = field(default_factory=dict)
+    logits: list = field(default_factory=list, repr=False)  # per generated token, float32 [vocab] (if kept)
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = max(len(self.tokens) - 1, 0)  # the first token comes from the prefill's logits
+        return steps / self.decode_s if self.decode_s > 0 and steps else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("logits")
+        d["decode_tok_s"] = round(self.decode_tok_s, 3)
+        return d
+
+
+@torch.no_grad()
+def generate(
+    lm: LoadedModel,
+    cache: QuantizedKVCache,
+    first_logits: torch.Tensor,
+    max_new_tokens: int,
+    on_token: Callable[[int, str], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    keep_logits: bool = False,
+) -> tuple[list[int], list[torch.Tensor], str, float]:
+    """Greedy decoding from `first_logits` (the prefill's last row).
+
+    Returns (tokens, logits kept per token, stop reason, seconds spent). The stop token, if any, is
+    included in `tokens`. `should_stop()` is polled before each token (raise nothing: returns).
+    """
+    stops = stop_token_ids(lm)
+    tokens, kept, logits, reason = [], [], first_logits, "length"
+    start = time.perf_counter()
+    for step in range(max_new_tokens):
+        if should_stop is not None and should_stop():
+            reason = "cancelled"
+            break
+        if keep_logits:
+            kept.append(logits.detach().cpu())
+        nxt = int(torch.argmax(logits))
+        tokens.append(nxt)
+        if on_token is not None:
+            on_token(nxt, lm.tokenizer.decode([nxt]))
+        if nxt in stops:
+            reason = "eos"
+            break
+        if step + 1 < max_new_tokens:
+            logits = prefill(lm, [nxt], cache)
+    return tokens, kept, reason, time.perf_counter() - start
+
+
+def run_precision(
+    lm: LoadedModel,
+    prompt_ids: Sequence[int],
+    spec: PrecisionSpec | str,
+    max_new_tokens: int,
+    on_token: Callable[[int, str], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    keep_logits: bool = False,
+) -> Generation:
+    """Prefill `prompt_ids` into a fresh cache at `spec` and decode greedily."""
+    spec = parse_precision(spec)
+    cache = new_cache(lm, spec)
+    t0 = time.perf_counter()
+    first = prefill(lm, prompt_ids, cache)
+    prefill_s = time.perf_counter() - t0
+    tokens, kept, reason, decode_s = generate(lm, cache, first, max_new_tokens, on_token, should_stop, keep_logits)
+    text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
+    return Generation(spec.label, tokens, text, len(prompt_ids), prefill_s, decode_s, reason, cache.nbytes(), kept)
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token, None when one is a prefix of the other (no divergence seen)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+def compare(
+    lm: LoadedModel,
+    prompt_ids: Sequence[int],
+    specs: Sequence[PrecisionSpec | str],
+    max_new_tokens: int,
+    baseline: str = "full",
+) -> dict:
+    """Full precision and each spec on the same prompt: outputs, tokens/s, first diverging token."""
+    specs = [parse_precision(s) for s in specs]
+    base = run_precision(lm, prompt_ids, baseline, max_new_tokens)
+    rows = [base.to_dict() | {"first_divergence": None, "decode_speed_vs_full": 1.0}]
+    for spec in specs:
+        if spec.label == base.precision:
+            continue
+        gen = run_precision(lm, prompt_ids, spec, max_new_tokens)
+        speed = gen.decode_tok_s / base.decode_tok_s if base.decode_tok_s else None
+        rows.append(
+            gen.to_dict()
+            | {
+                "first_divergence": first_divergence(base.tokens, gen.tokens),
+                "decode_speed_vs_full": None if speed is None else round(speed, 3),
+            }
+        )
+    return {"model": lm.name, "prompt_tokens": len(prompt_ids), "results": rows}
+
+
+@torch.no_grad()
+def answer_logprob(lm: LoadedModel, cache: QuantizedKVCache, first_logits: torch.Tensor, answer_ids: Sequence[int]) -> float:
+    """Teacher-forced log-probability (natural log, summed) of `answer_ids` after the cached prompt.
+
+    Mutates `cache` (appends the answer): pass a `fork()` to keep the prompt's cache.
+    """
+    answer_ids = list(answer_ids)
+    total = float(torch.log_softmax(first_logits, -1)[answer_ids[0]])
+    if len(answer_ids) > 1:
+        logits = forward(lm, answer_ids[:-1], cache)  # [k-1, V]: predictions for answer_ids[1:]
+        lp = torch.log_softmax(logits, -1)
+        total += float(lp[torch.arange(len(answer_ids) - 1), torch.tensor(answer_ids[1:])].sum())
+    return total
