@@ -15,8 +15,6 @@ Plain tensors (a DynamicCache, or no cache) go to transformers' own SDPA unchang
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -30,25 +28,23 @@ NAME = "kvdemo"
 DECODE_MAX_QUERIES = 16
 BACKEND_ENV = "KVDEMO_BACKEND"  # "torch" | "triton" | unset (auto: triton on CUDA)
 
-# Optional observers (kvdemo.drift): fn(view, query, lse, out) after each attention over a packed past.
+# Optional observers (kvdemo.drift), called after each attention over a packed past (the decode path) as
+# fn(view=CacheView, query=[B, Hq, n, D], scaling=float, mask=bool [B, 1|Hq, n, past+n] | None,
+#    out=fp32 [B, Hq, n, D], lse=fp32 [B, Hq, n]) where lse is over the past and this call's tokens.
 observers: list = []
 
 
 def backend_for(device: torch.device) -> str:
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced in ("torch", "triton"):
-        return forced
-    if forced:
-        raise ValueError(f"{BACKEND_ENV}={forced!r}; allowed: torch, triton")
-    return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    """Backend name, "triton" or "torch": one rule for attention and quantize-on-append (see kvdemo.quant.backend_for)."""
+    from .quant import backend_for as quant_backend_for
+
+    return quant_backend_for(device)
 
 
 def _triton_available() -> bool:
-    try:
-        from .quant import triton_kernels  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from .quant import triton_available
+
+    return triton_available()
 
 
 def past_attention(query, packed, scaling, mask=None):
@@ -110,7 +106,7 @@ def attend(query: torch.Tensor, view: CacheView, scaling: float, attention_mask=
         out_n, lse_n = _new_token_attention(query, view.keys, view.values, scaling, new_mask)
         out, lse = merge(out_p, lse_p, out_n, lse_n)
         for fn in observers:
-            fn(view, query, lse, out)
+            fn(view=view, query=query, scaling=scaling, mask=mask, out=out, lse=lse)
         return out.to(query.dtype)
     past_k, past_v = view.packed().dequantized()
     keys = torch.cat([past_k, view.keys], dim=-2).to(query.dtype)

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .precision import PrecisionSpec, parse_precision
-from .quant import reference
+from .quant import quantize, reference
 from .quant.reference import QuantizedTensor
 
 
@@ -219,8 +219,8 @@ class QuantizedLayer(CacheLayerMixin):
             pad_v = v[:, :, :1].expand(-1, -1, self.sinks, -1)
             k, v = torch.cat([pad_k, k], dim=-2), torch.cat([pad_v, v], dim=-2)
         spec, d = self.spec, self.head_dim
-        qk = reference.quantize(k, spec.key_format, spec.key_axis, spec.key_group(d))
-        qv = reference.quantize(v, spec.value_format, "token", spec.value_group(d))
+        qk = quantize(k, spec.key_format, spec.key_axis, spec.key_group(d))
+        qv = quantize(v, spec.value_format, "token", spec.value_group(d))
         self._store(qk, self.key_codes, self.key_scale, self.key_zero)
         self._store(qv, self.value_codes, self.value_scale, self.value_zero)
         self.residual_keys.drop_front(take)

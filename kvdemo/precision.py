@@ -28,7 +28,7 @@ META_BITS = 16  # every scale and every zero point is stored in 16 bits (fp16)
 
 DEFAULT_GROUP = 128
 DEFAULT_RESIDUAL = 128
-DEFAULT_SINKS = 4
+DEFAULT_SINKS = 0  # `:s4` keeps 4 sink tokens; off by default so the default ratios are the bits alone
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,70 @@
+"""Quantized-cache kernels and where they run: Triton on CUDA, the PyTorch reference elsewhere.
+
+`backend_for(device)` is the one place that decides; ``KVDEMO_BACKEND=torch|triton`` forces either
+(``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``, Triton's interpreter, as in the tests).
+`quantize(x, fmt, axis, group)` dispatches quantize-on-append (kvdemo/cache.py); attention over the
+packed cache dispatches in kvdemo/attention.py through the same `backend_for`. Triton is imported
+only when it is used, so this package imports on machines without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import reference
+from .reference import QuantizedTensor
+
+BACKEND_ENV = "KVDEMO_BACKEND"  # "torch" | "triton" | unset (auto: triton on CUDA when importable)
+BACKENDS = ("torch", "triton")
+
+
+class BackendError(ValueError):
+    """A KVDEMO_BACKEND setting that cannot work here, with what is allowed."""
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when Triton and the kernels import (probed once)."""
+    try:
+        from . import triton_kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def backend_for(device: torch.device | str) -> str:
+    """Backend name, "triton" or "torch", for tensors on `device` (KVDEMO_BACKEND forces; auto: triton on CUDA)."""
+    device = torch.device(device)
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if forced and forced not in BACKENDS:
+        raise BackendError(f"{BACKEND_ENV}={forced!r}; allowed: torch, triton")
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        if not triton_available():
+            raise BackendError(f"{BACKEND_ENV}=triton but Triton is not importable; allowed here: torch")
+        if device.type != "cuda" and not interpreting():
+            raise BackendError(
+                f"{BACKEND_ENV}=triton on {device.type} tensors needs TRITON_INTERPRET=1; else use torch or a CUDA device"
+            )
+        return "triton"
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+def quantize(x: torch.Tensor, fmt: str, axis: str, group: int) -> QuantizedTensor:
+    """x [B, H, T, D] -> QuantizedTensor (see reference.quantize): the Triton kernel where it runs and
+    handles the format and head_dim, the PyTorch reference otherwise. Both give the same bytes."""
+    if backend_for(x.device) == "triton":
+        from . import triton_kernels
+
+        if triton_kernels.supports_quantize(fmt, x.shape[-1]):
+            return triton_kernels.quantize(x, fmt, axis, group)
+    return reference.quantize(x, fmt, axis, group)

@@ -214,13 +214,11 @@ def _token_value_output(p: torch.Tensor, codes: torch.Tensor, scale, zero, fmt: 
     return out
 
 
-def past_attention(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None):
-    """Attention of every query over the stored past of one layer (no causal mask is needed: every
-    stored position precedes every query). Grouped-query: one K/V read serves each group of heads.
+def _past_logits(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled scores of query [B, Hq, n, D] over the packed past -> fp32 [B, Hkv, M, length] (M = Hq/Hkv * n).
 
-    query: [B, Hq, n, D]; kv: cache.PackedKV with kv.length > 0, Hkv heads dividing Hq;
-    mask: optional bool [B, 1 or Hq, n, length], True = attend.
-    Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]) for a log-sum-exp merge with other parts.
+    Rows are (head in group, query), so `.reshape(B, Hq, n, length)` is the per-query-head layout.
+    Masked positions are -inf.
     """
     b, hq, n, d = query.shape
     hkv = kv.sink_keys.shape[1]
@@ -239,6 +237,20 @@ def past_attention(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor |
     if mask is not None:
         m = mask.expand(b, hq, n, kv.length).reshape(b, hkv, grp * n, kv.length)
         logits = logits.masked_fill(~m, float("-inf"))
+    return logits
+
+
+def past_attention(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None):
+    """Attention of every query over the stored past of one layer (no causal mask is needed: every
+    stored position precedes every query). Grouped-query: one K/V read serves each group of heads.
+
+    query: [B, Hq, n, D]; kv: cache.PackedKV with kv.length > 0, Hkv heads dividing Hq;
+    mask: optional bool [B, 1 or Hq, n, length], True = attend.
+    Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]) for a log-sum-exp merge with other parts.
+    """
+    b, hq, n, d = query.shape
+    s, q = kv.num_sinks, kv.quant_len
+    logits = _past_logits(query, kv, scaling, mask)  # [B, Hkv, M, length]
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, Hkv, M, 1]
     probs = torch.exp(logits - lse).nan_to_num_(0.0)
     r = kv.residual_keys.shape[-2]
@@ -255,3 +267,19 @@ def past_attention(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor |
     if r:
         out = out + probs[..., kv.length - r :] @ kv.residual_values.float()
     return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
+
+
+def past_probabilities(
+    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, lse: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention probabilities of every query over the packed past (the weights `past_attention` uses).
+
+    query: [B, Hq, n, D]; kv: cache.PackedKV; mask as in `past_attention`; lse: optional fp32
+    [B, Hq, n], the log-sum-exp to normalize by (e.g. over past + new tokens, so these probabilities
+    are the past's slice of the whole distribution); default: the past's own, so each row sums to 1.
+    Returns fp32 [B, Hq, n, length] (masked positions are 0).
+    """
+    b, hq, n, _ = query.shape
+    logits = _past_logits(query, kv, scaling, mask).reshape(b, hq, n, kv.length)  # [B, Hq, n, length]
+    norm = torch.logsumexp(logits, dim=-1) if lse is None else lse.float()  # [B, Hq, n]
+    return torch.exp(logits - norm.unsqueeze(-1)).nan_to_num_(0.0)

@@ -1,0 +1,222 @@
+"""Plotly figures built from plain result dicts/dataclasses; no Streamlit import."""
+
+import plotly.graph_objects as go
+
+# --- memory / concurrency headroom: figures of `kvdemo.memory.headroom` result dicts ---------------
+
+_HEADROOM_GB = 1e9
+_HEADROOM_SPLIT = (("weights", "weights"), ("kv", "KV cache"), ("reserve", "reserve"), ("free", "unused"))
+
+
+def headroom_memory_figure(out: dict) -> go.Figure:
+    """Memory of weights + reserve + `users` sequences (GB, all GPUs) vs context, one line per KV precision,
+    with the GPU budget and the weights + reserve floor as dashed lines and the chosen context marked."""
+    curve = out["curve"]
+    xs = curve["context"]
+    fig = go.Figure()
+    for label, ys in curve["gb"].items():
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="lines",
+                name=label,
+                hovertemplate="%{x:,} tokens: %{y:.1f} GB<extra>" + label + "</extra>",
+            )
+        )
+    budget = curve["budget_gb"]
+    floor = curve["weights_gb"] + curve["reserve_gb"]
+    fig.add_trace(
+        go.Scatter(
+            x=[xs[0], xs[-1]],
+            y=[budget, budget],
+            mode="lines",
+            name="GPU budget",
+            line={"dash": "dash", "color": "black"},
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=[xs[0], xs[-1]],
+            y=[floor, floor],
+            mode="lines",
+            name="weights + reserve",
+            line={"dash": "dot", "color": "gray"},
+        )
+    )
+    fig.add_vline(x=out["context"], line_dash="dot", line_color="gray", annotation_text=f"{out['context']:,} tokens")
+    if curve["max_context"] < xs[-1]:
+        fig.add_vline(x=curve["max_context"], line_color="red", annotation_text="model max context")
+    users = curve["users"]
+    fig.update_layout(
+        title=f"{out['model']['display_name']} on {out['gpus']} x {out['gpu_info']['display_name']}: "
+        f"memory for {users} sequence{'s' if users > 1 else ''} vs context",
+        xaxis_title="context (tokens)",
+        yaxis_title="GPU memory (GB, all GPUs)",
+        legend_title="KV precision",
+    )
+    return fig
+
+
+def headroom_concurrency_figure(out: dict) -> go.Figure:
+    """Max concurrent sequences at the chosen context, one bar per KV precision (zero bars carry the reason)."""
+    labels = list(out["max_sequences"])
+    counts = [out["max_sequences"][k] for k in labels]
+    ratios = [out["sequences_vs_16bit"][k] for k in labels]
+    text = [f"{n:,}" + (f" ({r:.2f}x)" if r is not None else "") for n, r in zip(counts, ratios, strict=True)]
+    hover = [out["reason"][k] or f"{out['concurrency'][k]:.2f} sequences of {out['context']:,} tokens" for k in labels]
+    fig = go.Figure(
+        go.Bar(x=labels, y=counts, text=text, textposition="outside", hovertext=hover, name="max sequences")
+    )
+    fig.update_layout(
+        title=f"Concurrent {out['context']:,}-token sequences: {out['model']['display_name']}, "
+        f"{out['gpus']} x {out['gpu_info']['display_name']}, {out['weight_bits']}-bit weights",
+        xaxis_title="KV precision",
+        yaxis_title="max concurrent sequences",
+    )
+    return fig
+
+
+def headroom_split_figure(out: dict) -> go.Figure:
+    """Memory split at the max sequence count (GB, all GPUs): weights / KV / reserve / unused, stacked per precision."""
+    labels = list(out["split"])
+    fig = go.Figure()
+    for key, name in _HEADROOM_SPLIT:
+        values = [out["split"][k][key] / _HEADROOM_GB for k in labels]
+        fig.add_trace(go.Bar(y=labels, x=values, name=name, orientation="h", hovertemplate="%{x:.1f} GB"))
+    over = [out["split"][k]["over"] / _HEADROOM_GB for k in labels]
+    if any(over):
+        fig.add_trace(go.Bar(y=labels, x=over, name="over budget", orientation="h", marker_color="red"))
+    fig.update_layout(
+        barmode="stack",
+        title=f"Memory split: {out['gpus']} x {out['gpu_info']['display_name']} ({out['budget_bytes'] / _HEADROOM_GB:.0f} GB)",
+        xaxis_title="GB (all GPUs)",
+        yaxis_title="KV precision",
+    )
+    return fig
+
+
+def headroom_stacking_figure(out: dict) -> go.Figure:
+    """Max concurrent sequences for every weight bits x KV precision pair (the "stacking" table) as a heatmap."""
+    labels = list(out["stacking"])
+    bits = list(next(iter(out["stacking"].values())))
+    z = [[out["stacking"][k][b] for b in bits] for k in labels]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=[f"{b}-bit weights" for b in bits],
+            y=labels,
+            text=z,
+            texttemplate="%{text:,}",
+            colorscale="Blues",
+            name="max sequences",
+        )
+    )
+    fig.update_layout(
+        title=f"Stacking weight and KV precision: concurrent {out['context']:,}-token sequences",
+        yaxis_title="KV precision",
+    )
+    return fig
+
+
+# --- attention-score drift: figures of `kvdemo.drift.run_drift` / `run_cli` dicts -------------------
+
+
+def drift_js_heatmap_figure(result: dict) -> go.Figure:
+    """Layer x query-head heatmap of the mean Jensen-Shannon divergence for one precision (an entry of
+    `out["results"]`)."""
+    rows = result["per_layer"]
+    z = [row["js_per_head"] for row in rows]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(len(z[0]) if z else 0)),
+            y=[row["layer"] for row in rows],
+            colorscale="Viridis",
+            colorbar={"title": "JS (nats)"},
+            hovertemplate="layer %{y}, head %{x}: JS %{z:.2e}<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=f"{result['precision']}: attention JS divergence vs full precision (mean {result['mean_js']:.2e})",
+        xaxis_title="query head",
+        yaxis_title="layer",
+    )
+    return fig
+
+
+def drift_layer_figure(out: dict) -> go.Figure:
+    """Mean JS divergence of the attention distributions by layer, one line per precision (log scale)."""
+    fig = go.Figure()
+    for r in out["results"]:
+        fig.add_trace(
+            go.Scatter(
+                x=[row["layer"] for row in r["per_layer"]],
+                y=[row["js"] for row in r["per_layer"]],
+                mode="lines+markers",
+                name=r["precision"],
+                hovertemplate="layer %{x}: JS %{y:.2e}<extra>" + r["precision"] + "</extra>",
+            )
+        )
+    fig.update_layout(
+        title="Attention drift by layer",
+        xaxis_title="layer",
+        yaxis_title="mean JS divergence (nats)",
+        yaxis_type="log",
+        legend_title="KV precision",
+    )
+    return fig
+
+
+def drift_position_figure(out: dict) -> go.Figure:
+    """JS divergence per key vs key position (one line per precision, log scale): where the error sits.
+    The sink tokens are the first bin; the dotted line marks where the full-precision residual begins."""
+    fig = go.Figure()
+    for r in out["results"]:
+        prof = r["position_profile"]
+        fig.add_trace(
+            go.Scatter(
+                x=[(b["start"] + b["end"] - 1) / 2 for b in prof],
+                y=[b["js_per_key"] for b in prof],
+                customdata=[[b["start"], b["end"], 100 * b["js_share"], 100 * b["mass_full"]] for b in prof],
+                mode="lines+markers",
+                name=r["precision"],
+                hovertemplate="keys [%{customdata[0]}, %{customdata[1]}): JS/key %{y:.2e}, "
+                "%{customdata[2]:.0f}% of JS, %{customdata[3]:.0f}% of attention<extra>" + r["precision"] + "</extra>",
+            )
+        )
+    quantized = [r for r in out["results"] if r["spec"]["key_format"] != "full"]
+    if quantized:
+        recent = next(b for b in quantized[0]["by_position"] if b["bin"] == "recent")
+        fig.add_vline(x=recent["start"], line_dash="dot", line_color="gray", annotation_text="full-precision residual")
+    fig.update_layout(
+        title="Attention drift by key position",
+        xaxis_title="key position (tokens)",
+        yaxis_title="JS divergence per key (nats)",
+        yaxis_type="log",
+        legend_title="KV precision",
+    )
+    return fig
+
+
+def drift_logit_kl_figure(out: dict) -> go.Figure:
+    """Next-token logit KL(full || quantized) for each generated (teacher-forced) token, per precision."""
+    fig = go.Figure()
+    for r in out["results"]:
+        fig.add_trace(
+            go.Scatter(
+                x=list(range(1, len(r["logit_kl"]) + 1)),
+                y=r["logit_kl"],
+                mode="lines+markers",
+                name=r["precision"],
+                hovertemplate="token %{x}: KL %{y:.2e}<extra>" + r["precision"] + "</extra>",
+            )
+        )
+    fig.update_layout(
+        title="Next-token logit KL along the generation",
+        xaxis_title="generated token",
+        yaxis_title="KL(full || quantized) (nats)",
+        yaxis_type="log",
+        legend_title="KV precision",
+    )
+    return fig

@@ -1,0 +1,641 @@
+"""Triton kernels for the packed KV cache: quantize-and-pack on append, fused decode attention.
+
+Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its docstring):
+
+- `quantize(x, fmt, axis, group) -> QuantizedTensor` and `quantize_into(...)` (writes codes and
+  fp16 scale/zero into given tensors, in place, any strides). int8/int4/int2 asymmetric and fp8
+  e4m3/e5m2 with scales; keys per channel (groups of `group` tokens) or per token, values per token.
+  The codes are bit-identical to the reference: divisions use `div_rn` (IEEE, as torch on CPU),
+  rounding is half-to-even, and fp8 codes are built with integer ops that replicate
+  `c10::Float8_e4m3fn` / `Float8_e5m2` round-to-nearest-even (Triton's interpreter rounds fp8
+  casts differently from the hardware, so no float8 cast is used anywhere here).
+- `past_attention(query, kv, scaling) -> (out, lse)`: every query over one layer's stored past
+  (sinks + quantized region + full-precision residual), flash-decoding style: the quantized region
+  is split over the sequence into `num_splits` programs per (batch, kv head), one more program
+  takes the sinks and the residual, and a second kernel merges the partial results by log-sum-exp.
+  One program serves every query head of its kv-head group (GQA: each K/V tile is read once).
+  K/V stay packed in memory and are dequantized in registers; per-channel keys never are:
+  ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block.
+
+Tensors are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Head dims are
+powers of two from 16 to 256 (`supports_*` say so; the dispatcher in `kvdemo.quant` sends
+anything else to the reference). Dots run with ``input_precision="tf32x3"`` (about fp32 accuracy
+on tensor cores; exact fp32 in the interpreter).
+References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), FlashAttention-2 (arXiv
+2307.08691) and flash-decoding (split-K over the sequence with a log-sum-exp merge).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from .reference import FP16_MAX, INT_BITS, MIN_SCALE, QuantizedTensor
+
+FP8_CODE = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # constexpr ids of the fp8 formats (0 = integer format)
+QUANT_TILE = 4096  # elements per quantize program (registers: ~32 fp32 values per thread at 4 warps)
+MAX_BLOCK_N = 64  # tokens per attention tile (divides every key group size, all powers of two >= 16)
+LOG2E = 1.4426950408889634
+_FP16_MAX = tl.constexpr(FP16_MAX)  # globals read inside kernels must be constexpr
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+def _bits(fmt: str) -> int:
+    return INT_BITS.get(fmt, 8)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports_quantize(fmt: str, head_dim: int) -> bool:
+    """Formats and head dims the quantize kernel handles (others go to the reference)."""
+    return (fmt in INT_BITS or fmt in FP8_CODE) and _pow2(head_dim) and 16 <= head_dim <= 256
+
+
+def supports_attention(query: torch.Tensor, kv) -> bool:
+    """Shapes the decode kernel handles: head_dim a power of two in [16, 256], at most 256 query rows per kv head."""
+    b, hq, n, d = query.shape
+    hkv = kv.sink_keys.shape[1]
+    fmts_ok = kv.quant_len == 0 or (supports_quantize(kv.key_format, d) and supports_quantize(kv.value_format, d))
+    return fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0 and (hq // hkv) * n <= 256
+
+
+# --- device helpers ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_half_even(y):
+    """fp32 round-to-nearest-even (torch.round) for |y| < 2^22: the 1.5 * 2^23 trick (exact in IEEE fp32)."""
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _fp8_encode(y, FP8: tl.constexpr):
+    """fp32 y (finite, |y| <= fp8 max) -> fp8 bits as int32, round-to-nearest-even, as c10's Float8 types."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31).to(tl.int32)
+    mag = bits & 0x7FFFFFFF
+    magf = mag.to(tl.float32, bitcast=True)
+    if FP8 == 1:  # e4m3fn: bias 7, 3 mantissa bits, subnormal below 2^-6 (step 2^-9)
+        sub = (magf + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
+        norm = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+        code = tl.where(mag < (121 << 23), sub, norm).to(tl.int32)
+    else:  # e5m2: bias 15, 2 mantissa bits, subnormal below 2^-14 (step 2^-16)
+        sub = (magf + 128.0).to(tl.uint32, bitcast=True) - (134 << 23)
+        norm = (mag - (112 << 23) + 0xFFFFF + ((mag >> 21) & 1)) >> 21
+        code = tl.where(mag < (113 << 23), sub, norm).to(tl.int32)
+    return code | (sign << 7)
+
+
+@triton.jit
+def _fp8_decode(byte, FP8: tl.constexpr):
+    """fp8 bits (int32 in [0, 255]) -> fp32 value, exactly, through the fp16 bit pattern."""
+    if FP8 == 1:  # e4m3 bits moved into fp16's exponent/mantissa fields are the value / 2^8
+        h = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
+        return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    h = byte << 8  # e5m2 is the top byte of an fp16
+    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_codes(byte, shift, BITS: tl.constexpr, FP8: tl.constexpr):
+    """Packed bytes (uint8 tile), per-element shift (planar packing) -> code values as fp32."""
+    b = byte.to(tl.int32)
+    if FP8 == 0:
+        return ((b >> shift) & ((1 << BITS) - 1)).to(tl.float32)
+    return _fp8_decode(b, FP8)
+
+
+@triton.jit
+def _quantize_tile(x, RED: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr):
+    """x fp32 tile, groups along axis RED -> (codes int32, scale fp32, zero fp32), as reference.quantize."""
+    x = tl.where(x != x, 0.0, x)  # nan -> 0, +-inf and beyond -> +-FP16_MAX
+    x = tl.minimum(tl.maximum(x, -_FP16_MAX), _FP16_MAX)
+    if FP8 == 0:
+        levels: tl.constexpr = (1 << BITS) - 1
+        lo = tl.min(x, axis=RED).to(tl.float16).to(tl.float32)
+        hi = tl.max(x, axis=RED)
+        scale = tl.math.div_rn(hi - lo, levels * 1.0)
+        scale = tl.minimum(tl.maximum(scale, _MIN_SCALE), _FP16_MAX).to(tl.float16).to(tl.float32)
+        y = tl.math.div_rn(x - tl.expand_dims(lo, RED), tl.expand_dims(scale, RED))
+        y = tl.minimum(tl.maximum(y, 0.0), levels * 1.0)  # clamp then round == round then clamp
+        codes = _round_half_even(y).to(tl.int32)
+        return codes, scale, lo
+    fmax: tl.constexpr = 448.0 if FP8 == 1 else 57344.0
+    amax = tl.max(tl.abs(x), axis=RED)
+    scale = tl.maximum(tl.math.div_rn(amax, fmax), _MIN_SCALE).to(tl.float16).to(tl.float32)
+    y = tl.math.div_rn(x, tl.expand_dims(scale, RED))
+    y = tl.minimum(tl.maximum(y, -fmax), fmax)
+    return _fp8_encode(y, FP8), scale, scale
+
+
+# --- quantize and pack --------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    H,
+    T,
+    sx_b,
+    sx_h,
+    sx_t,
+    sx_d,
+    sc_b,
+    sc_h,
+    sc_t,
+    ss_b,
+    ss_h,
+    ss_t,
+    sz_b,
+    sz_h,
+    sz_t,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    FP8: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+):
+    """One program: one (batch, head) and a tile of tokens. Writes packed codes [.., T, D/P] and scales.
+
+    CHANNEL: a block of GROUP tokens x BLOCK_J byte columns (x all P planes); stats over tokens.
+    token axis: BLOCK_T tokens x all D channels, stats over GROUP consecutive channels.
+    """
+    P: tl.constexpr = 8 // BITS
+    DP: tl.constexpr = D // P
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    x_base = x_ptr + b.to(tl.int64) * sx_b + h.to(tl.int64) * sx_h
+    c_base = codes_ptr + b.to(tl.int64) * sc_b + h.to(tl.int64) * sc_h
+    s_base = scale_ptr + b.to(tl.int64) * ss_b + h.to(tl.int64) * ss_h
+    z_base = zero_ptr + b.to(tl.int64) * sz_b + h.to(tl.int64) * sz_h
+    if CHANNEL:
+        blk = tl.program_id(1)
+        t = (blk * GROUP + tl.arange(0, GROUP)).to(tl.int64)  # [G]
+        p = tl.arange(0, P)  # [P]
+        j = tl.program_id(2) * BLOCK_J + tl.arange(0, BLOCK_J)  # [J]
+        ch = p[:, None] * DP + j[None, :]  # [P, J]: plane p holds channels p*DP + j
+        x = tl.load(x_base + t[:, None, None] * sx_t + ch[None, :, :] * sx_d).to(tl.float32)  # [G, P, J]
+        codes, scale, zero = _quantize_tile(x, 0, BITS, FP8)  # [G, P, J], [P, J], [P, J]
+        packed = tl.sum(codes << (p * BITS)[None, :, None], axis=1).to(tl.uint8)  # [G, J]
+        tl.store(c_base + t[:, None] * sc_t + j[None, :], packed)
+        tl.store(s_base + blk * ss_t + ch, scale.to(tl.float16))
+        if FP8 == 0:
+            tl.store(z_base + blk * sz_t + ch, zero.to(tl.float16))
+    else:
+        NG: tl.constexpr = D // GROUP
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        g = tl.arange(0, NG)[None, :, None]
+        k = tl.arange(0, GROUP)[None, None, :]
+        x = tl.load(
+            x_base + t64[:, None, None] * sx_t + (g * GROUP + k) * sx_d, mask=tmask[:, None, None], other=0.0
+        ).to(tl.float32)  # [BT, NG, GROUP]
+        codes, scale, zero = _quantize_tile(x, 2, BITS, FP8)  # [BT, NG, GROUP], [BT, NG], [BT, NG]
+        planes = tl.reshape(codes, (BLOCK_T, P, DP))  # channel c = p * DP + j
+        p = tl.arange(0, P)[None, :, None]
+        packed = tl.sum(planes << (p * BITS), axis=1).to(tl.uint8)  # [BT, DP]
+        jj = tl.arange(0, DP)[None, :]
+        tl.store(c_base + t64[:, None] * sc_t + jj, packed, mask=tmask[:, None])
+        gg = tl.arange(0, NG)[None, :]
+        tl.store(s_base + t64[:, None] * ss_t + gg, scale.to(tl.float16), mask=tmask[:, None])
+        if FP8 == 0:
+            tl.store(z_base + t64[:, None] * sz_t + gg, zero.to(tl.float16), mask=tmask[:, None])
+
+
+def _meta_shape(x: torch.Tensor, axis: str, group: int) -> tuple[int, int, int, int]:
+    b, h, t, d = x.shape
+    return (b, h, t // group, d) if axis == "channel" else (b, h, t, d // group)
+
+
+def _check_quantize(x: torch.Tensor, fmt: str, axis: str, group: int) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"expected [B, H, T, D], got shape {tuple(x.shape)}")
+    if not supports_quantize(fmt, x.shape[-1]):
+        raise ValueError(
+            f"the Triton quantizer takes int8/int4/int2/fp8_e4m3/fp8_e5m2 and head_dim 16..256 (2^k), got {fmt!r}, {x.shape[-1]}"
+        )
+    if not _pow2(group):
+        raise ValueError(f"group size {group} must be a power of two")
+    if axis == "channel" and x.shape[-2] % group:
+        raise ValueError(f"{x.shape[-2]} tokens is not a whole number of {group}-token groups")
+    if axis == "token" and x.shape[-1] % group:
+        raise ValueError(f"head_dim {x.shape[-1]} is not a multiple of group size {group}")
+    if axis not in ("channel", "token"):
+        raise ValueError(f"axis {axis!r}; allowed: channel, token")
+
+
+def quantize_into(
+    x: torch.Tensor,
+    fmt: str,
+    axis: str,
+    group: int,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+) -> None:
+    """Quantize x [B, H, T, D] (any float dtype, any strides) into existing tensors, in place.
+
+    codes: uint8 [B, H, T, D // P]; scale (and zero, None for fp8): fp16 [B, H, T // G, D] for
+    axis="channel" or [B, H, T, D // G] for axis="token". Last dims contiguous; other strides free
+    (e.g. `narrow()` views of a preallocated cache buffer).
+    """
+    _check_quantize(x, fmt, axis, group)
+    b, h, t, d = x.shape
+    bits, fp8 = _bits(fmt), FP8_CODE.get(fmt, 0)
+    want_codes, want_meta = (b, h, t, d * bits // 8), _meta_shape(x, axis, group)
+    if tuple(codes.shape) != want_codes or codes.dtype != torch.uint8 or codes.stride(-1) != 1:
+        raise ValueError(f"codes must be uint8 {want_codes} with a contiguous last dim")
+    metas = [scale] if fp8 else [scale, zero]
+    for m in metas:
+        if m is None or tuple(m.shape) != want_meta or m.dtype != torch.float16 or m.stride(-1) != 1:
+            raise ValueError(f"scale/zero must be fp16 {want_meta} with a contiguous last dim")
+    if t == 0 or b * h == 0:
+        return
+    zero = scale if zero is None else zero
+    if axis == "channel":
+        dp = d * bits // 8
+        block_j = max(1, min(dp, QUANT_TILE // (group * (8 // bits))))
+        grid = (b * h, t // group, dp // block_j)
+        block_t = group
+    else:
+        block_t = max(1, QUANT_TILE // d)
+        block_j = 1
+        grid = (b * h, triton.cdiv(t, block_t))
+    _quantize_kernel[grid](
+        x,
+        codes,
+        scale,
+        zero,
+        h,
+        t,
+        *x.stride(),
+        *codes.stride()[:3],
+        *scale.stride()[:3],
+        *zero.stride()[:3],
+        D=d,
+        BITS=bits,
+        FP8=fp8,
+        CHANNEL=axis == "channel",
+        GROUP=group,
+        BLOCK_T=block_t,
+        BLOCK_J=block_j,
+        num_warps=4,
+    )
+
+
+def quantize(x: torch.Tensor, fmt: str, axis: str, group: int) -> QuantizedTensor:
+    """x [B, H, T, D] float -> QuantizedTensor, bit-identical to `reference.quantize`."""
+    _check_quantize(x, fmt, axis, group)
+    b, h, t, d = x.shape
+    codes = torch.empty((b, h, t, d * _bits(fmt) // 8), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(_meta_shape(x, axis, group), dtype=torch.float16, device=x.device)
+    zero = None if fmt in FP8_CODE else torch.empty_like(scale)
+    quantize_into(x, fmt, axis, group, codes, scale, zero)
+    return QuantizedTensor(codes, scale, zero, fmt, axis, group, d)
+
+
+# --- fused decode attention -------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_update(acc, m_i, l_i, s, v):
+    """One flash-attention step: s [BM, BN] log2-domain scores (-inf = masked), v [BN, D] fp32."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")  # [BM, D]
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _full_segment(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, n_tok, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Full-precision keys/values rows [0, n_tok) of one (batch, kv head): sinks or residual."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for start in range(0, n_tok, BLOCK_N):
+        pos = (start + offs_n).to(tl.int64)
+        valid = pos < n_tok
+        k = tl.load(k_base + pos[:, None] * sk_t + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # [BM, BN]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    sq_b,
+    sq_h,
+    sq_t,
+    sk_ptr,
+    ssk_b,
+    ssk_h,
+    ssk_t,
+    sv_ptr,
+    ssv_b,
+    ssv_h,
+    ssv_t,
+    rk_ptr,
+    srk_b,
+    srk_h,
+    srk_t,
+    rv_ptr,
+    srv_b,
+    srv_h,
+    srv_t,
+    kc_ptr,
+    skc_b,
+    skc_h,
+    skc_t,
+    ks_ptr,
+    sks_b,
+    sks_h,
+    sks_t,
+    kz_ptr,
+    skz_b,
+    skz_h,
+    skz_t,
+    vc_ptr,
+    svc_b,
+    svc_h,
+    svc_t,
+    vs_ptr,
+    svs_b,
+    svs_h,
+    svs_t,
+    vz_ptr,
+    svz_b,
+    svz_h,
+    svz_t,
+    o_part_ptr,
+    lse_part_ptr,
+    HKV,
+    N_Q,
+    M,
+    S,
+    Q,
+    R,
+    tiles_per_split,
+    num_splits,
+    qk_scale,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_FP8: tl.constexpr,
+    K_CHANNEL: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_FP8: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """Program (split, batch * kv head): partial attention of the group's M query rows.
+
+    split < num_splits: quantized tiles [split * tiles_per_split, ...) of positions [S, Q);
+    split == num_splits: the sinks [0, S) and the residual (R rows). Writes o (normalized) and lse.
+    """
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    h = (pid_bh % HKV).to(tl.int64)
+    grp = M // N_Q
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < M
+    head = h * grp + offs_m // N_Q  # query head of row m (rows = head in group, query index)
+    q_ptrs = q_ptr + b * sq_b + head[:, None] * sq_h + (offs_m % N_Q)[:, None] * sq_t + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale  # [BM, D], log2 domain
+
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if pid_s == num_splits:
+        acc, m_i, l_i = _full_segment(
+            acc,
+            m_i,
+            l_i,
+            q,
+            sk_ptr + b * ssk_b + h * ssk_h,
+            sv_ptr + b * ssv_b + h * ssv_h,
+            ssk_t,
+            ssv_t,
+            S,
+            BLOCK_N,
+            D,
+        )
+        acc, m_i, l_i = _full_segment(
+            acc,
+            m_i,
+            l_i,
+            q,
+            rk_ptr + b * srk_b + h * srk_h,
+            rv_ptr + b * srv_b + h * srv_h,
+            srk_t,
+            srv_t,
+            R,
+            BLOCK_N,
+            D,
+        )
+    else:
+        KDP: tl.constexpr = D * K_BITS // 8
+        VDP: tl.constexpr = D * V_BITS // 8
+        k_col = offs_d % KDP  # byte column of channel d (planar packing)
+        k_shift = (offs_d // KDP) * K_BITS
+        v_col = offs_d % VDP
+        v_shift = (offs_d // VDP) * V_BITS
+        kc_base = kc_ptr + b * skc_b + h * skc_h
+        ks_base = ks_ptr + b * sks_b + h * sks_h
+        kz_base = kz_ptr + b * skz_b + h * skz_h
+        vc_base = vc_ptr + b * svc_b + h * svc_h
+        vs_base = vs_ptr + b * svs_b + h * svs_h
+        vz_base = vz_ptr + b * svz_b + h * svz_h
+        n_tiles = tl.cdiv(Q, BLOCK_N)
+        t_begin = pid_s * tiles_per_split
+        t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+        for tile in range(t_begin, t_end):
+            start = tile * BLOCK_N
+            pos = (start + offs_n).to(tl.int64)  # absolute positions; codes rows [0, S) are dummies
+            valid = (pos >= S) & (pos < Q)
+            kbyte = tl.load(kc_base + pos[:, None] * skc_t + k_col[None, :], mask=valid[:, None], other=0)
+            kcode = _decode_codes(kbyte, k_shift[None, :], K_BITS, K_FP8)  # [BN, D]
+            if K_CHANNEL:  # the tile lies in key block start // K_GROUP: fold its scales into q
+                blk = (start // K_GROUP).to(tl.int64)
+                ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
+                s = tl.dot(q * ks[None, :], tl.trans(kcode), input_precision="tf32x3")  # [BM, BN]
+                if K_FP8 == 0:
+                    kz = tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)
+                    s += tl.sum(q * kz[None, :], 1)[:, None]
+            else:  # per-token key groups: dequantize the tile in registers
+                kgi = (offs_d // K_GROUP)[None, :]
+                ks = tl.load(ks_base + pos[:, None] * sks_t + kgi, mask=valid[:, None], other=0.0).to(tl.float32)
+                k = kcode * ks
+                if K_FP8 == 0:
+                    k += tl.load(kz_base + pos[:, None] * skz_t + kgi, mask=valid[:, None], other=0.0).to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+            s = tl.where(valid[None, :], s, float("-inf"))
+            vbyte = tl.load(vc_base + pos[:, None] * svc_t + v_col[None, :], mask=valid[:, None], other=0)
+            vgi = (offs_d // V_GROUP)[None, :]
+            vs = tl.load(vs_base + pos[:, None] * svs_t + vgi, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = _decode_codes(vbyte, v_shift[None, :], V_BITS, V_FP8) * vs  # [BN, D]
+            if V_FP8 == 0:
+                v += tl.load(vz_base + pos[:, None] * svz_t + vgi, mask=valid[:, None], other=0.0).to(tl.float32)
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    slot = pid_bh.to(tl.int64) * (num_splits + 1) + pid_s
+    tl.store(o_part_ptr + (slot * BLOCK_M + offs_m[:, None]) * D + offs_d[None, :], o)
+    tl.store(lse_part_ptr + slot * BLOCK_M + offs_m, lse)
+
+
+@triton.jit
+def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """Program (batch * kv head): log-sum-exp merge of the n_parts partial results of its M rows."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    base = pid * n_parts
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for i in range(0, n_parts):
+        mx = tl.maximum(mx, tl.load(lse_part_ptr + (base + i) * BLOCK_M + offs_m))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for i in range(0, n_parts):
+        w = tl.exp(tl.load(lse_part_ptr + (base + i) * BLOCK_M + offs_m) - mx)  # [BM]
+        o = tl.load(o_part_ptr + ((base + i) * BLOCK_M + offs_m[:, None]) * D + offs_d[None, :])
+        acc += w[:, None] * o
+        total += w
+    ok = total > 0.0
+    out = acc / tl.where(ok, total, 1.0)[:, None]
+    lse = tl.where(ok, mx + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
+    row_ok = offs_m < M
+    tl.store(out_ptr + (pid * M + offs_m[:, None]) * D + offs_d[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_ptr + pid * M + offs_m, lse, mask=row_ok)
+
+
+def _default_splits(n_tiles: int, programs: int, device: torch.device) -> int:
+    """Splits per (batch, kv head): about 4 programs per SM in all, at least 4 tiles per split."""
+    if n_tiles == 0:
+        return 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    want = max(1, -(-4 * sms // programs))
+    return max(1, min(want, n_tiles // 4 or 1))
+
+
+def _arg(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """(tensor, stride_b, stride_h, stride_t) for the kernel; empty or missing tensors become a dummy."""
+    if t is None or t.numel() == 0:
+        return dummy, 0, 0, 0
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1), t.stride(2)
+
+
+def past_attention(
+    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, num_splits: int | None = None
+):
+    """Fused decode attention of `query` over one layer's packed past (twin of `reference.past_attention`).
+
+    query: [B, Hq, n, D] (any float dtype, any strides); kv: `kvdemo.cache.PackedKV`, kv.length > 0.
+    num_splits: splits of the quantized region per (batch, kv head) (default: about 4 programs per SM).
+    Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
+    `supports_attention`, is handed to the reference (the decode path never passes a mask).
+    """
+    if mask is not None or not supports_attention(query, kv):
+        return reference.past_attention(query, kv, scaling, mask)
+    if kv.length <= 0:
+        raise ValueError("past_attention needs a non-empty past (kv.length > 0)")
+    b, hq, n, d = query.shape
+    hkv = kv.sink_keys.shape[1]
+    m = (hq // hkv) * n
+    block_m = max(16, triton.next_power_of_2(m))
+    s_len, q_len, r_len = kv.num_sinks, kv.quant_len, kv.residual_keys.shape[-2]
+    quant = q_len > s_len
+    block_n = min(MAX_BLOCK_N, kv.key_group if kv.key_axis == "channel" else MAX_BLOCK_N) if quant else MAX_BLOCK_N
+    n_tiles = triton.cdiv(q_len, block_n) if quant else 0
+    if num_splits is None:
+        num_splits = _default_splits(n_tiles, b * hkv, query.device)
+    num_splits = max(0, min(int(num_splits), n_tiles)) if quant else 0
+    if quant and num_splits == 0:
+        num_splits = 1
+    tiles_per_split = triton.cdiv(n_tiles, num_splits) if num_splits else 0
+    if num_splits:
+        num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
+
+    parts = num_splits + 1
+    o_part = torch.empty((b * hkv, parts, block_m, d), dtype=torch.float32, device=query.device)
+    lse_part = torch.empty((b * hkv, parts, block_m), dtype=torch.float32, device=query.device)
+    out = torch.empty((b, hq, n, d), dtype=torch.float32, device=query.device)
+    lse = torch.empty((b, hq, n), dtype=torch.float32, device=query.device)
+    dummy = query
+    q_arg = query if query.stride(-1) == 1 else query.contiguous()
+    k_fmt = kv.key_format if quant else "int8"
+    v_fmt = kv.value_format if quant else "int8"
+    _decode_split_kernel[(parts, b * hkv)](
+        q_arg,
+        *q_arg.stride()[:3],
+        *_arg(kv.sink_keys, dummy),
+        *_arg(kv.sink_values, dummy),
+        *_arg(kv.residual_keys, dummy),
+        *_arg(kv.residual_values, dummy),
+        *_arg(kv.key_codes if quant else None, dummy),
+        *_arg(kv.key_scale if quant else None, dummy),
+        *_arg(kv.key_zero if quant else None, dummy),
+        *_arg(kv.value_codes if quant else None, dummy),
+        *_arg(kv.value_scale if quant else None, dummy),
+        *_arg(kv.value_zero if quant else None, dummy),
+        o_part,
+        lse_part,
+        hkv,
+        n,
+        m,
+        s_len,
+        q_len if quant else 0,
+        r_len,
+        tiles_per_split,
+        num_splits,
+        float(scaling) * LOG2E,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        K_BITS=_bits(k_fmt),
+        K_FP8=FP8_CODE.get(k_fmt, 0),
+        K_CHANNEL=kv.key_axis == "channel",
+        K_GROUP=kv.key_group if quant else block_n,
+        V_BITS=_bits(v_fmt),
+        V_FP8=FP8_CODE.get(v_fmt, 0),
+        V_GROUP=kv.value_group if quant else d,
+        num_warps=4,
+    )
+    _merge_kernel[(b * hkv,)](o_part, lse_part, out, lse, parts, m, BLOCK_M=block_m, D=d, num_warps=4)
+    return out, lse
+
+
+def kv_bytes_read(kv) -> int:
+    """Bytes of K/V the decode kernel reads for one call (codes, metadata, sinks, residual): for benchmarks."""
+    total = 0
+    for t in (kv.sink_keys, kv.sink_values, kv.residual_keys, kv.residual_values):
+        total += t.numel() * t.element_size()
+    if kv.quant_len > kv.num_sinks:
+        for t in (kv.key_codes, kv.key_scale, kv.key_zero, kv.value_codes, kv.value_scale, kv.value_zero):
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total

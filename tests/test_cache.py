@@ -1,0 +1,135 @@
+"""QuantizedKVCache without a model: regions, byte accounting, attention over packed blocks."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvdemo.attention import attend
+from kvdemo.cache import QuantizedKVCache
+from kvdemo.precision import parse_precision
+
+B, H, HQ, D = 1, 3, 9, 64
+
+
+def _fill(spec, tokens, step=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache = QuantizedKVCache(spec, num_layers=1)
+    k, v = torch.randn(B, H, tokens, D, generator=g), torch.randn(B, H, tokens, D, generator=g)
+    if step is None:
+        cache.update(k, v, 0)
+    else:
+        for i in range(0, tokens, step):
+            cache.update(k[:, :, i : i + step], v[:, :, i : i + step], 0)
+    return cache, k, v
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4:s4", "int2", "k8v4", "fp8", "int4:g32:r64", "int4:ktoken:s2"])
+@pytest.mark.parametrize("tokens", [1, 3, 127, 128, 300, 1024])
+def test_regions_and_bytes_match_the_formula(spec, tokens):
+    s = parse_precision(spec)
+    cache, _, _ = _fill(s, tokens)
+    layer = cache.layers[0]
+    g = s.group_size
+    quantized = (tokens // g) * g if tokens - 0 >= s.residual else 0
+    assert layer.quant_len == quantized
+    sinks = min(s.sinks, tokens)
+    residual = tokens - max(quantized, sinks)
+    fp_bytes = 4  # float32 test tensors
+    kb, vb = s.key_bits, s.value_bits
+    meta = lambda fmt: 2 if fmt.startswith("fp8") else 4  # noqa: E731 (bytes of metadata per group)
+    key_groups = quantized // g * D if s.key_axis == "channel" else quantized * (D // s.key_group(D))
+    value_groups = quantized * (D // s.value_group(D))
+    expected = {
+        "codes": B * H * quantized * D * (kb + vb) // 8,
+        "scales": B * H * (key_groups * meta(s.key_format) + value_groups * meta(s.value_format)),
+        "residual": 2 * B * H * residual * D * fp_bytes,
+        "sinks": 2 * B * H * sinks * D * fp_bytes,
+    }
+    nb = cache.nbytes()
+    for kind, want in expected.items():
+        assert nb[kind] == want, kind
+    # and the bits-per-element formula agrees with the measured bytes within 1% on the quantized part
+    if quantized:
+        bits = s.bits_per_element(D)["mean"]
+        formula = 2 * B * H * quantized * D * bits / 8
+        assert abs((nb["codes"] + nb["scales"]) - formula) / formula < 0.01
+    assert nb["allocated"] >= nb["total"]
+
+
+@pytest.mark.parametrize("spec", ["int4", "int8:s4", "fp8", "int4:g32:r64:s3"])
+def test_incremental_appends_store_the_same_as_one_prefill(spec):
+    one, _, _ = _fill(spec, 400)
+    many, _, _ = _fill(spec, 400, step=7)
+    a, b = one.layers[0].packed(), many.layers[0].packed()
+    assert a.quant_len == b.quant_len and one.nbytes()["total"] == many.nbytes()["total"]
+    ka, va = a.dequantized()
+    kb, vb = b.dequantized()
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_full_precision_stores_exact_tensors():
+    cache, k, v = _fill("full", 260, step=13)
+    pk, pv = cache.layers[0].packed().dequantized()
+    assert torch.equal(pk, k) and torch.equal(pv, v)
+
+
+def test_sinks_and_residual_are_exact_and_sinks_excluded_from_block_stats():
+    cache, k, v = _fill("int2:s4", 300)
+    k2 = k.clone()
+    k2[:, :, :4] *= 1000  # huge sinks: must not stretch block 0's range
+    cache2 = QuantizedKVCache("int2:s4", 1)
+    cache2.update(k2, v, 0)
+    p1, p2 = cache.layers[0].packed(), cache2.layers[0].packed()
+    assert torch.equal(p2.sink_keys, k2[:, :, :4])
+    assert torch.equal(p1.key_scale, p2.key_scale)  # sinks never entered the statistics
+    assert torch.equal(p2.residual_keys, k2[:, :, 256:])
+
+
+@pytest.mark.parametrize(
+    "spec", ["full", "int8", "int4:s4", "int2", "k8v4", "fp8", "fp8-e5m2", "int4:ktoken", "int4:g32:r64", "int2:g16:r32:s8"]
+)
+@pytest.mark.parametrize("n_queries", [1, 5])
+def test_blocked_attention_equals_attention_over_dequantized_cache(spec, n_queries):
+    cache, _, _ = _fill(spec, 333)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, HQ, n_queries, D, generator=g)
+    kn, vn = torch.randn(B, H, n_queries, D, generator=g), torch.randn(B, H, n_queries, D, generator=g)
+    view, _ = cache.update(kn, vn, 0)
+    out = attend(q, view, D**-0.5)
+    pk, pv = view.packed().dequantized()
+    keys, values = torch.cat([pk, kn], -2), torch.cat([pv, vn], -2)
+    mask = torch.ones(n_queries, keys.shape[-2], dtype=torch.bool).tril(diagonal=keys.shape[-2] - n_queries)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_long_query_block_over_a_past_uses_the_stored_cache():
+    """A follow-up turn (many new tokens over a stored past) sees the same past as decoding does."""
+    cache, _, _ = _fill("int4", 300)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(B, HQ, 40, D, generator=g)
+    kn, vn = torch.randn(B, H, 40, D, generator=g), torch.randn(B, H, 40, D, generator=g)
+    view, _ = cache.update(kn, vn, 0)
+    out = attend(q, view, D**-0.5)  # > DECODE_MAX_QUERIES: dequantize-once path
+    pk, pv = view.packed().dequantized()
+    keys, values = torch.cat([pk, kn], -2), torch.cat([pv, vn], -2)
+    mask = torch.ones(40, 340, dtype=torch.bool).tril(diagonal=300)
+    ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_quantized_attention_error_grows_as_bits_shrink():
+    errs = []
+    for spec in ("int8", "int4", "int2"):
+        cache, k, v = _fill(spec, 1024)
+        q = torch.randn(B, HQ, 1, D, generator=torch.Generator().manual_seed(5))
+        kn, vn = k[:, :, -1:], v[:, :, -1:]
+        view, _ = cache.update(kn, vn, 0)
+        exact = F.scaled_dot_product_attention(
+            q, torch.cat([k, kn], -2), torch.cat([v, vn], -2), scale=D**-0.5, enable_gqa=True
+        )
+        errs.append(float((attend(q, view, D**-0.5) - exact).norm() / exact.norm()))
+    assert errs[0] < errs[1] < errs[2], errs
+    assert errs[0] < 0.02 and math.isfinite(errs[2])
