@@ -135,7 +135,9 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     x = g * q.scale.float().unsqueeze(red)
     if q.zero is not None:
         x = x + q.zero.float().unsqueeze(red)
-    return x.view(codes.shape).to(dtype)
+    # inputs were clamped to the fp16 range; metadata rounding can overshoot it by a step, which
+    # would round to inf in an fp16 cache: clamp back
+    return x.view(codes.shape).clamp_(-FP16_MAX, FP16_MAX).to(dtype)
 
 
 def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> torch.Tensor:
@@ -151,7 +153,15 @@ def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> tor
         levels = (1 << INT_BITS[fmt]) - 1
         span = g.amax(dim=red, keepdim=True) - g.amin(dim=red, keepdim=True)
         step = (span / levels).clamp(min=MIN_SCALE)
-        bound = step * 0.5 * (1 + 2e-3) + g.abs().amax(dim=red, keepdim=True) * 1e-3
+        absmax = g.abs().amax(dim=red, keepdim=True)
+        bound = step * 0.5 * (1 + 2e-3) + absmax * 1e-3
+        # exact terms with the fp16 metadata quantize() stores (they dominate for tiny groups, where
+        # scale and zero are fp16 subnormals): half a stored step, or the clamp error at either end
+        lo, hi = g.amin(dim=red, keepdim=True), g.amax(dim=red, keepdim=True)
+        lo_h = lo.half().float()
+        scale_h = (span / levels).clamp(min=MIN_SCALE, max=FP16_MAX).half().float()
+        exact = torch.maximum(torch.maximum(0.5 * scale_h, hi - lo_h - levels * scale_h), lo_h - lo)
+        bound = torch.maximum(bound, exact * (1 + 1e-5) + absmax * 1e-6)
         return bound.expand_as(g).reshape(x.shape)
     rel = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}[fmt]
     scale = (g.abs().amax(dim=red, keepdim=True) / FP8_MAX[fmt]).clamp(min=MIN_SCALE)
@@ -162,53 +172,63 @@ def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> tor
 # --- attention over the packed cache: the PyTorch twin of triton_kernels.past_attention ---------
 
 
-def _planes(codes: torch.Tensor, fmt: str) -> list[torch.Tensor]:
-    """Packed codes [..., D/P] -> P float32 planes [..., D/P] (plane p = channels [p*D/P, (p+1)*D/P))."""
-    if fmt in FP8_DTYPES:
-        return [codes.view(FP8_DTYPES[fmt]).float()]
-    return [p.float() for p in unpack_planes(codes, INT_BITS[fmt])]
+def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Packed codes [..., D/P] -> code values as float32 [..., D] (integer levels, or fp8 values).
+
+    The fast CPU route: integer planes are masked and converted straight into one float buffer;
+    fp8 bytes are turned into fp16 bit patterns (e5m2 is the top byte of an fp16; e4m3fn shifted
+    into fp16 is exact up to a factor 2^8), since torch's float8 -> float32 cast is slow on CPU.
+    """
+    if fmt == "fp8_e5m2":
+        return (codes.to(torch.int16) << 8).view(torch.float16).float()
+    if fmt == "fp8_e4m3":
+        wide = codes.to(torch.int16)
+        bits = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7)
+        return bits.view(torch.float16).float().mul_(256.0)
+    bits = INT_BITS[fmt]
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return codes.float()
+    dp = codes.shape[-1]
+    out = torch.empty(*codes.shape[:-1], dp * per_byte, dtype=torch.float32, device=codes.device)
+    mask = (1 << bits) - 1
+    for p in range(per_byte):
+        plane = codes if p == 0 else codes >> (bits * p)
+        out[..., p * dp : (p + 1) * dp].copy_(plane & mask if p < per_byte - 1 else plane)
+    return out
 
 
 def _channel_key_scores(qg: torch.Tensor, kv) -> torch.Tensor:
-    """Scores of qg [B, H, M, D] against per-channel-quantized keys, without dequantizing them.
+    """Scores of qg [B, H, M, D] against per-channel-quantized keys, from the codes.
 
     k[t, c] = scale[b(t), c] * code[t, c] + zero[b(t), c]  =>
-    q . k_t = sum_c (q_c scale_bc) code_tc + sum_c q_c zero_bc   (one matmul per plane and block)
+    q . k_t = q . (scale_b * code_t) + q . zero_b   (codes scaled in their float buffer, one matmul)
     """
     b, h, m, d = qg.shape
     scale = kv.key_scale.float()  # [B, H, NB, D]
     nb, g = scale.shape[-2], kv.key_group
-    q_scaled = qg.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, NB, M, D]
-    planes = _planes(kv.key_codes, kv.key_format)  # each [B, H, NB*G, D/P]
-    dp = d // len(planes)
-    scores = None
-    for p, plane in enumerate(planes):
-        part = q_scaled[..., p * dp : (p + 1) * dp] @ plane.view(b, h, nb, g, dp).transpose(-1, -2)
-        scores = part if scores is None else scores + part  # [B, H, NB, M, G]
+    codes = codes_to_float(kv.key_codes, kv.key_format).view(b, h, nb, g, d)  # [B, H, NB, G, D]
+    codes.mul_(scale.unsqueeze(3))
+    scores = (qg @ codes.view(b, h, nb * g, d).transpose(-1, -2)).view(b, h, m, nb, g)  # [B, H, M, NB, G]
     if kv.key_zero is not None:
-        bias = (qg.unsqueeze(2) * kv.key_zero.float().unsqueeze(3)).sum(-1)  # [B, H, NB, M]
-        scores = scores + bias.unsqueeze(-1)
-    return scores.permute(0, 1, 3, 2, 4).reshape(b, h, m, nb * g)
+        scores = scores + (qg @ kv.key_zero.float().transpose(-1, -2)).unsqueeze(-1)  # + [B, H, M, NB, 1]
+    return scores.view(b, h, m, nb * g)
 
 
 def _token_value_output(p: torch.Tensor, codes: torch.Tensor, scale, zero, fmt: str, group: int) -> torch.Tensor:
-    """sum_t p[m, t] v_t for per-token-quantized values, without dequantizing them.
+    """sum_t p[m, t] v_t for per-token-quantized values, from the codes.
 
-    p [B, H, M, T]; codes [B, H, T, D/P]; scale/zero [B, H, T, D/G]. v_tc = s_tj code_tc + z_tj (j = c // G).
+    p [B, H, M, T]; codes [B, H, T, D/P]; scale/zero [B, H, T, D/G]; v_tc = s_tj code_tc + z_tj (j = c // G).
+    One group per token (G = D): out = (p * s) @ code + (p @ z); else the scales go into the codes.
     """
     b, h, m, t = p.shape
-    ps = p.unsqueeze(-1) * scale.float().unsqueeze(2)  # [B, H, M, T, NG]
-    planes = _planes(codes, fmt)
-    dp = planes[0].shape[-1]
-    outs = []
-    for i, plane in enumerate(planes):
-        if group >= dp:  # the whole plane sits inside one group
-            outs.append(ps[..., (i * dp) // group] @ plane)  # [B, H, M, D/P]
-        else:
-            k, j0 = dp // group, (i * dp) // group
-            part = torch.einsum("bhmtj,bhtjc->bhmjc", ps[..., j0 : j0 + k], plane.view(b, h, t, k, group))
-            outs.append(part.reshape(b, h, m, dp))
-    out = torch.cat(outs, dim=-1)
+    values = codes_to_float(codes, fmt)  # [B, H, T, D]
+    d = values.shape[-1]
+    if group == d:
+        out = (p * scale.float()[..., 0].unsqueeze(2)) @ values  # [B, H, M, D]
+    else:
+        values.view(b, h, t, d // group, group).mul_(scale.float().unsqueeze(-1))
+        out = p @ values
     if zero is not None:
         out = out + (p @ zero.float()).repeat_interleave(group, dim=-1)
     return out
