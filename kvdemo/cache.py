@@ -123,8 +123,12 @@ class _Growable:
     def drop_front(self, n: int) -> None:
         """Remove the first n entries (the remainder moves to the front)."""
         keep = self.length - n
-        if keep:
-            self.data.narrow(self.dim, 0, keep).copy_(self.data.narrow(self.dim, n, keep).clone())
+        rest = self.data.narrow(self.dim, n, keep).clone()
+        if self.data.shape[self.dim] > 4 * max(keep, 256):  # a long prefill passed through: give memory back
+            shape = list(self.data.shape)
+            shape[self.dim] = 2 * max(keep, 256)
+            self.data = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
+        self.data.narrow(self.dim, 0, keep).copy_(rest)
         self.length = keep
 
     def live_bytes(self) -> int:

@@ -34,12 +34,13 @@ import torch
 from . import attention
 from .cache import CacheView, QuantizedKVCache
 from .models import LoadedModel
-from .precision import DEFAULT_RESIDUAL, DEFAULT_SINKS, PrecisionSpec, parse_precision, parse_precision_list
+from .precision import DEFAULT_RESIDUAL, PrecisionSpec, parse_precision, parse_precision_list
 from .quant import reference
 from .runner import chat_ids, new_cache, prefill, stop_token_ids
 
 TOP_K = 10
 PROFILE_BINS = 32
+SINK_TOKENS = 4  # the first tokens, binned apart as attention sinks (StreamingLLM), stored in full or not
 EPS = 1e-30  # floor under probabilities inside a log (float64)
 QUESTION = "Summarize the text above in a few sentences: who appears in it and what happens?"
 POSITION_BINS = ("sinks", "early", "middle", "late", "recent")
@@ -280,7 +281,7 @@ class _BinAccumulator:
         """terms, p, q: float64 [keys], already averaged over layers and heads."""
         keys = terms.shape[-1]
         bounds = [min(e, keys) for e in edges]
-        for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             if hi > lo:
                 self.js[b] += terms[lo:hi].sum()
                 self.mass_full[b] += p[lo:hi].sum()
@@ -293,7 +294,7 @@ class _BinAccumulator:
         n = max(self.steps, 1)
         total = float(self.js.sum()) / n
         out = []
-        for b, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        for b, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
             js = float(self.js[b]) / n
             row = {
                 "start": int(lo),
@@ -353,7 +354,7 @@ def measure_drift(
     """Run `spec` on the reference's prompt and teacher-forced tokens; compare every step to `ref`."""
     spec = parse_precision(spec)
     t0 = time.perf_counter()
-    sinks = spec.sinks or DEFAULT_SINKS  # the first tokens, held in full precision or not
+    sinks = max(spec.sinks, SINK_TOKENS)
     max_keys = ref.steps[-1].position + 1
     prof_edges = profile_edges(max_keys, sinks)
     named, profile = _BinAccumulator(len(POSITION_BINS)), _BinAccumulator(len(prof_edges) - 1)
@@ -435,8 +436,12 @@ def run_drift(
     new_tokens: int = 16,
     top_k: int = TOP_K,
     on_progress: Callable[[str], None] | None = None,
+    reference: Reference | None = None,
 ) -> dict:
-    """Full precision once, then each spec against it on the same prompt and teacher-forced tokens."""
+    """Full precision once, then each spec against it on the same prompt and teacher-forced tokens.
+
+    reference: a `capture_reference(lm, prompt_ids, new_tokens)` to reuse (e.g. when the page adds a precision).
+    """
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     if len(prompt_ids) + new_tokens > lm.max_context:
@@ -444,9 +449,13 @@ def run_drift(
             f"prompt ({len(prompt_ids)} tokens) + {new_tokens} new tokens exceed the model's context ({lm.max_context})"
         )
     specs = [parse_precision(s) for s in specs]
-    if on_progress:
-        on_progress("full precision")
-    ref = capture_reference(lm, prompt_ids, new_tokens)
+    ref = reference
+    if ref is None:
+        if on_progress:
+            on_progress("full precision")
+        ref = capture_reference(lm, prompt_ids, new_tokens)
+    elif ref.steps[0].position != len(prompt_ids) - 1:
+        raise ValueError("the reference was captured on a different prompt")
     results = []
     for spec in specs:
         if on_progress:
@@ -512,9 +521,7 @@ def format_text(out: dict) -> str:
         )
     for r in out["results"]:
         worst = sorted(r["per_layer"], key=lambda row: row["js"], reverse=True)[:3]
-        bins = ", ".join(
-            f"{b['bin']} [{b['start']}, {b['end']}) {100 * b['js_share']:.0f}%" for b in r["by_position"]
-        )
+        bins = ", ".join(f"{b['bin']} [{b['start']}, {b['end']}) {100 * b['js_share']:.0f}%" for b in r["by_position"])
         lines.append(
             f"\n{r['precision']}: worst layers "
             + ", ".join(f"{w['layer']} (JS {w['js']:.2e})" for w in worst)

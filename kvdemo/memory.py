@@ -11,8 +11,9 @@ its newest tokens (the residual window: up to `residual` - 1 between decode step
     sequence bytes(T) = L x H x D x [ n_full x 2 x full_bytes + (T - n_full) x (key_bits + value_bits) / 8 ]
     n_full = min(T, sinks + residual)            (full precision: n_full = T)
 
-For capacity planning (`sequence_bytes`) `n_full` is the upper bound above, with full precision = 16
-bits (the serving dtype; every ratio is quoted against a 16-bit cache). For a live cache
+For capacity planning (`sequence_bytes`) `n_full` is the largest the full-precision part gets (sinks
+plus a full residual window), with full precision = 16 bits (the serving dtype; every ratio is quoted
+against a 16-bit cache). For a live cache
 (`cache_layout`, `layout_bytes`) the regions are replayed exactly as `QuantizedKVCache` fills them:
 quantized rows Q (whole blocks of group_size, including the dummy rows of the sink slots of block 0),
 sinks, and residual rows T - Q, at the model's own dtype (fp32 on CPU).
@@ -266,7 +267,7 @@ def element_bytes(spec: PrecisionSpec, head_dim: int, full_bits: int = SERVE_BIT
 
 
 def full_window(spec: PrecisionSpec) -> int:
-    """Tokens a quantized sequence may hold at full precision: sinks + residual (upper bound)."""
+    """Tokens a quantized sequence may hold at full precision, at most: sinks + residual window."""
     return spec.sinks + spec.residual if spec.is_quantized else 0
 
 

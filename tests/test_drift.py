@@ -156,7 +156,7 @@ def test_capture_without_kvdemo_attention_says_why():
 # --- on the embedded model --------------------------------------------------------------------------
 
 DOC_TOKENS = 300
-NEW_TOKENS = 3
+NEW_TOKENS = 2
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +172,8 @@ def ref(lm, prompt):
 
 
 @pytest.fixture(scope="module")
-def out(lm, prompt):
-    return drift.run_drift(lm, prompt, ["int8", "int2"], new_tokens=NEW_TOKENS)
+def out(lm, prompt, ref):
+    return drift.run_drift(lm, prompt, ["int8", "int2"], new_tokens=NEW_TOKENS, reference=ref)
 
 
 @pytest.mark.model
@@ -224,7 +224,11 @@ def test_figures_build(out):
 
     heat = figures.drift_js_heatmap_figure(out["results"][1])
     assert len(heat.data[0].z) == len(out["results"][1]["per_layer"])
-    for fig in (figures.drift_position_figure(out), figures.drift_logit_kl_figure(out), figures.drift_layer_figure(out)):
+    for fig in (
+        figures.drift_position_figure(out),
+        figures.drift_logit_kl_figure(out),
+        figures.drift_layer_figure(out),
+    ):
         assert len(fig.data) == len(out["results"])
     assert drift.format_text({"tokens": DOC_TOKENS} | out).count("\n") > 4
 
@@ -233,25 +237,29 @@ def test_figures_build(out):
 def test_cli_json(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text("The harbour town wakes early. Fishermen mend nets while gulls argue over scraps.\n\n" * 20)
-    cmd = [sys.executable, "-m", "kvdemo", "drift", "--precision", "int4", "--tokens", "150"]
+    cmd = [sys.executable, "-m", "kvdemo", "drift", "--precision", "int4", "--tokens", "100"]
     cmd += ["--new-tokens", "2", "--document", str(doc), "--json"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
-    assert set(got) >= {"model", "tokens", "results"} and got["tokens"] <= 150
+    assert set(got) >= {"model", "tokens", "results"} and got["tokens"] <= 100
     (r,) = got["results"]
     assert r["precision"] == "int4"
     assert set(r) >= {"mean_js", "mean_kl", "topk_overlap", "output_cosine", "per_layer", "by_position", "logit_kl"}
     assert len(r["logit_kl"]) == 2
 
 
+def test_cli_rejects_bad_input(tmp_path, capsys):
+    from kvdemo.__main__ import main
+
+    assert main(["drift", "--precision", "int3", "--tokens", "100"]) == 2
+    assert "unknown precision" in capsys.readouterr().err
+    assert main(["drift", "--tokens", "100", "--document", str(tmp_path / "missing.txt")]) == 2
+    assert "document not found" in capsys.readouterr().err
+
+
 @pytest.mark.model
-def test_cli_rejects_bad_input(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "kvdemo", "drift", "--precision", "int3", "--tokens", "100"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "unknown precision" in proc.stderr
-    cmd = [sys.executable, "-m", "kvdemo", "drift", "--tokens", "100", "--document", str(tmp_path / "missing.txt")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "not found" in proc.stderr
+def test_reference_from_another_prompt_is_refused(lm, prompt, ref):
+    with pytest.raises(ValueError, match="different prompt"):
+        drift.run_drift(lm, prompt[1:], ["int8"], new_tokens=NEW_TOKENS, reference=ref)

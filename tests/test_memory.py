@@ -1,0 +1,446 @@
+"""Memory and concurrency headroom: formulas, reference configs, GPU presets, edge cases, the measured
+live cache vs the formula, the production mapping, the figures and the `headroom` CLI."""
+
+import json
+import math
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdemo import memory
+from kvdemo.cache import QuantizedKVCache
+from kvdemo.memory import (
+    GB,
+    MIB,
+    ModelConfig,
+    bytes_per_token,
+    cache_layout,
+    fp16_cache_bytes,
+    get_gpu,
+    get_model_config,
+    headroom,
+    kv_heads_per_gpu,
+    layout_bytes,
+    max_tokens,
+    prefill_updates,
+    sequence_bytes,
+)
+from kvdemo.precision import parse_precision
+from kvdemo.production import LLAMA_CPP_BITS, production_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL = ["full", "fp8", "int8", "k8v4", "k4v8", "int4", "int2"]
+
+
+def _hr(model="llama-3.1-70b", gpu="h100-80gb", specs=ALL, context=100_000, **kw):
+    return headroom(get_model_config(model), get_gpu(gpu, kw.pop("memory_gb", None)), specs, context, **kw)
+
+
+# --- formulas -------------------------------------------------------------------------------------
+
+
+def test_llama_70b_16bit_is_327680_bytes_per_token():
+    cfg = get_model_config("llama-3.1-70b")
+    assert bytes_per_token(cfg, "full") == 327_680
+    assert fp16_cache_bytes(cfg.layers, cfg.kv_heads, cfg.head_dim, 1) == 327_680
+    assert sequence_bytes(cfg, "full", 131_072) == 327_680 * 131_072  # ~43 GB at the full context
+    assert bytes_per_token(get_model_config("smollm2-135m"), "full") == 23_040
+
+
+def test_bytes_per_token_counts_metadata_per_key_and_value():
+    cfg = get_model_config("llama-3.1-70b")  # head_dim 128
+    per = 80 * 8 * 128
+    assert bytes_per_token(cfg, "int4") == per * (4.25 + 4.25) / 8  # 4 bits + 32 bits of scale+zero / 128
+    assert bytes_per_token(cfg, "k8v4") == per * (8.25 + 4.25) / 8
+    assert bytes_per_token(cfg, "fp8") == per * (8 + 16 / 128) * 2 / 8  # fp8: a scale, no zero point
+    assert bytes_per_token(cfg, "int4:g64") == per * (4.5 + 4.5) / 8
+    small = get_model_config("smollm2-135m")  # head_dim 64: value groups are min(128, 64) channels
+    assert bytes_per_token(small, "int4") == 30 * 3 * 64 * (4.25 + 4.5) / 8
+    for spec in ALL:
+        assert bytes_per_token(cfg, spec) <= bytes_per_token(cfg, "full")
+    assert bytes_per_token(cfg, "full") / bytes_per_token(cfg, "int4") == pytest.approx(16 / 4.25)
+
+
+def test_sequence_bytes_keeps_sinks_and_residual_at_16_bits():
+    cfg = get_model_config("llama-3.1-8b")
+    spec = parse_precision("int4:s4")  # sinks 4, residual 128
+    window = spec.sinks + spec.residual
+    full_tok, q_tok = bytes_per_token(cfg, "full"), bytes_per_token(cfg, spec)
+    for t in (1, 50, window):
+        assert sequence_bytes(cfg, spec, t) == t * full_tok  # all inside the full-precision window
+    for t in (window + 1, 10_000):
+        assert sequence_bytes(cfg, spec, t) == pytest.approx(window * full_tok + (t - window) * q_tok)
+    assert sequence_bytes(cfg, "full", 10_000) == 10_000 * full_tok
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    spec=st.sampled_from(ALL + ["int4:g64:r64:s4", "int2:g32:r256:s2"]),
+    budget=st.floats(min_value=0, max_value=5e11, allow_nan=False),
+    heads=st.integers(1, 8),
+)
+def test_max_tokens_inverts_sequence_bytes(spec, budget, heads):
+    cfg = get_model_config("llama-3.1-8b")
+    n = max_tokens(cfg, spec, budget, kv_heads=heads)
+    assert n >= 0
+    assert sequence_bytes(cfg, spec, n, kv_heads=heads) <= budget + 1e-6
+    assert sequence_bytes(cfg, spec, n + 1, kv_heads=heads) > budget
+
+
+def test_reference_configs_cover_the_issue_and_match_their_architecture():
+    names = set(memory.model_configs())
+    assert {"llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral-7b-v0.3", "smollm2-135m"} <= names
+    for path in sorted((ROOT / "assets" / "model_configs").glob("*.json")):
+        d = json.loads(path.read_text())
+        assert d["source"].startswith("https://huggingface.co/"), path.name
+        assert d["name"] == path.stem
+        h, heads, kv, hd = d["hidden_size"], d["attention_heads"], d["kv_heads"], d["head_dim"]
+        attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
+        if d["name"].startswith("qwen"):  # Qwen2 has q/k/v biases
+            attn += heads * hd + 2 * kv * hd
+        layer = attn + 3 * h * d["intermediate_size"] + 2 * h
+        emb = d["vocab_size"] * h * (1 if d["tie_word_embeddings"] else 2)
+        assert d["layers"] * layer + emb + h == d["params"], f"{path.name}: typed params disagree with its shapes"
+    assert get_model_config("Mistral-7B") == get_model_config("mistral-7b-v0.3")
+
+
+def test_gpu_presets_are_driver_mib_printed_as_gb():
+    presets = memory.gpu_presets()
+    assert set(presets) == {"l4-24gb", "rtx4090-24gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb"}
+    h100 = get_gpu("h100")
+    assert h100.memory_bytes == 81_559 * MIB and round(h100.memory_gb, 1) == 85.5
+    assert get_gpu("a100-80gb").memory_bytes == 80 * 2**30
+    custom = get_gpu("h100-80gb", memory_gb=48)
+    assert custom.memory_bytes == 48 * GB and custom.name == "custom-48gb"
+    with pytest.raises(ValueError, match="h200-141gb"):
+        get_gpu("tpu-v5")
+    with pytest.raises(ValueError, match="positive"):
+        get_gpu("h100", memory_gb=0)
+
+
+# --- headroom ---------------------------------------------------------------------------------------
+
+
+def test_acceptance_int4_gives_at_least_3_5x_the_sequences_of_16_bit():
+    out = _hr(specs=["full", "int8", "int4"], gpus=4, context=100_000)
+    assert out["bytes_per_token"]["full"] == 327_680
+    n16, n4 = out["max_sequences"]["full"], out["max_sequences"]["int4"]
+    assert n16 >= 2 and n4 >= 3.5 * n16, (n16, n4)
+    assert out["max_sequences_16bit"] == n16 and out["sequences_vs_16bit"]["int4"] >= 3.5
+    # same budget, weights held fixed, for other GPUs and contexts where 16-bit fits two or more
+    for gpu, gpus, model in (
+        ("h200-141gb", 2, "llama-3.1-70b"),
+        ("a100-80gb", 1, "llama-3.1-8b"),
+        ("l4", 2, "qwen2.5-7b"),
+    ):
+        for context in (32_768, 100_000):
+            o = _hr(model, gpu, ["full", "int4"], context, gpus=gpus)
+            if o["max_sequences"]["full"] >= 2:
+                assert o["max_sequences"]["int4"] >= 3.5 * o["max_sequences"]["full"], (gpu, gpus, model, context)
+
+
+def test_free_memory_formula():
+    cfg, gpu = get_model_config("llama-3.1-8b"), get_gpu("a100-80gb")
+    out = headroom(cfg, gpu, ["full", "int4"], 32_768, reserve_gb=5)
+    free = gpu.memory_bytes - 5 * GB - cfg.params * 2
+    assert out["free_kv_bytes"] == free
+    for label in ("full", "int4"):
+        seq = sequence_bytes(cfg, label, 32_768)
+        assert out["max_sequences"][label] == math.floor(free / seq)
+        assert out["concurrency"][label] == pytest.approx(free / seq, abs=1e-3)
+        assert out["reason"][label] is None
+
+
+def test_weights_larger_than_the_gpu_give_zero_sequences_with_a_reason():
+    out = _hr("llama-3.1-70b", "l4", ALL, 8192)  # 141 GB of weights on one 24 GB card
+    assert not out["fits"]
+    assert set(out["max_sequences"].values()) == {0}
+    assert set(out["max_context_for_users"].values()) == {0}
+    for label in ALL:
+        assert "exceed" in out["reason"][label] and "no room for a KV cache" in out["reason"][label]
+        split = out["split"][label]
+        assert split["kv"] == 0 and split["free"] == 0 and split["over"] > 0
+    # a reserve as large as the GPU leaves nothing either
+    big = _hr("llama-3.2-1b", "h100", ["int4"], 4096, reserve_gb=90)
+    assert big["max_sequences"]["int4"] == 0 and "exceed" in big["reason"]["int4"]
+
+
+def test_a_sequence_too_long_for_16_bit_fits_quantized():
+    out = _hr("llama-3.1-8b", "l4", ["full", "int4"], 131_072)  # 17 GB of 16-bit KV, ~5.6 GB free
+    assert out["fits"]
+    assert out["max_sequences"]["full"] == 0 and "one 131,072-token sequence needs" in out["reason"]["full"]
+    assert out["max_sequences"]["int4"] >= 1 and out["reason"]["int4"] is None
+    assert out["max_sequences_16bit"] == 0 and out["sequences_vs_16bit"]["int4"] is None
+
+
+def test_context_beyond_the_model_is_flagged_and_max_context_capped():
+    out = _hr("mistral-7b-v0.3", "h200", ["full", "int4"], 65_536)
+    assert out["context_exceeds_model"]
+    assert any("exceeds" in w and "32,768" in w for w in out["warnings"])
+    for label in ("full", "int4"):
+        assert out["max_context_memory"][label] > 32_768
+        assert out["max_context_for_users"][label] == 32_768 and out["max_context_limited_by"][label] == "model"
+    assert not _hr("mistral-7b-v0.3", "h200", ["full"], 32_768)["context_exceeds_model"]
+
+
+def test_tiny_context_sits_inside_the_full_precision_window():
+    out = _hr("llama-3.1-8b", "a100-80gb", ALL, 1)
+    assert len(set(out["sequence_bytes"].values())) == 1  # every precision stores 1 token at 16 bits
+    assert len(set(out["max_sequences"].values())) == 1
+    assert any("full-precision window" in w for w in out["warnings"])
+
+
+def test_multi_gpu_splits_weights_and_kv_heads():
+    one = _hr(specs=["full", "int4"], gpus=1, context=32_768)
+    two = _hr(specs=["full", "int4"], gpus=2, context=32_768)
+    four = _hr(specs=["full", "int4"], gpus=4, context=32_768)
+    assert one["max_sequences"]["int4"] == 0 and "over 1 GPU" in one["reason"]["int4"]
+    assert 0 < two["max_sequences"]["int4"] < four["max_sequences"]["int4"]
+    assert four["kv_heads_per_gpu"] == 2 and four["bytes_per_token_per_gpu"]["full"] == 327_680 // 4
+    assert four["split"]["full"]["weights"] == get_model_config("llama-3.1-70b").params * 2
+    assert kv_heads_per_gpu(8, 8) == 1 and kv_heads_per_gpu(8, 16) == 1 and kv_heads_per_gpu(8, 3) == 3
+    sixteen = _hr(specs=["full"], gpus=16, context=32_768)
+    assert sixteen["kv_heads_per_gpu"] == 1 and any("replicated" in w for w in sixteen["warnings"])
+    assert any("evenly" in w for w in _hr(specs=["full"], gpus=3)["warnings"])
+
+
+def test_max_context_for_n_users_fits_n_sequences():
+    out = _hr("llama-3.1-8b", "h100", ["full", "int8", "int4"], 8192, users=16, memory_gb=40)
+    cfg = get_model_config("llama-3.1-8b")
+    free = out["free_kv_bytes"]
+    for label, ctx in out["max_context_memory"].items():
+        assert 16 * sequence_bytes(cfg, label, ctx) <= free < 16 * sequence_bytes(cfg, label, ctx + 1)
+        assert out["max_context_limited_by"][label] == "memory"
+    assert out["max_context_for_users"]["int4"] > 3 * out["max_context_for_users"]["full"]
+
+
+def test_split_adds_up_and_stacking_orders_weight_bits():
+    out = _hr("llama-3.1-70b", "h100", ALL, 32_768, gpus=2)
+    for label in ALL:
+        s = out["split"][label]
+        assert s["weights"] + s["kv"] + s["reserve"] + s["free"] - s["over"] == s["total"] == out["budget_bytes"]
+        st_ = out["stacking"][label]
+        assert st_["16"] == out["max_sequences"][label]
+        assert st_["4"] >= st_["8"] >= st_["16"]
+    eight = _hr("llama-3.1-70b", "h100", ALL, 32_768, gpus=2, weight_bits=8)
+    assert eight["max_sequences"] == {k: v["8"] for k, v in out["stacking"].items()}
+    assert eight["weights_bytes"] == out["weights_bytes"] // 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"weight_bits": 3}, "weight bits"),
+        ({"reserve_gb": -1.0}, "reserve"),
+        ({"context": 0}, "context"),
+        ({"users": 0}, "users"),
+        ({"gpus": 0}, "gpus"),
+    ],
+)
+def test_bad_headroom_inputs_are_value_errors(kwargs, match):
+    args = {"specs": ["int4"], "context": 4096} | kwargs
+    with pytest.raises(ValueError, match=match):
+        _hr(**args)
+
+
+def test_unknown_model_config_lists_the_choices():
+    with pytest.raises(ValueError, match="llama-3.1-70b"):
+        get_model_config("gpt-5")
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelConfig("x", "x", 2, 6, 4, 64, 384, 10, 100, "https://huggingface.co/x")
+
+
+# --- the live cache vs the formula ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec", ["full", "int8", "k8v4", "int4", "int2", "fp8", "int4:ktoken", "int4:g64:r64", "int4:s4", "k8v2:s4:ktoken"]
+)
+@pytest.mark.parametrize("updates", [[300], [128], [2048, 100], [200, 1, 1, 1, 60, 5, 1, 1]])
+def test_layout_formula_matches_the_cache_accounting(spec, updates):
+    layers, heads, dim = 2, 3, 64
+    cache = QuantizedKVCache(spec, num_layers=layers)
+    torch.manual_seed(0)
+    for n in updates:
+        for layer in cache.layers:
+            layer.update(torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim))  # [B, H, n, D] fp32
+    layout = cache_layout(spec, updates)
+    want = layout_bytes(layers, heads, dim, spec, layout, full_bits=32)
+    got = cache.nbytes()
+    assert got["total"] == want["total"]
+    assert got["codes"] + got["scales"] == want["quantized"]
+    assert got["sinks"] == want["sinks"] and got["residual"] == want["residual"]
+    layer = cache.layers[0]
+    assert (layer.quant_len, layer.length) == (layout["quantized"], layout["tokens"])
+
+
+def test_prefill_updates_follow_the_runner_chunks():
+    assert prefill_updates(5000, 2048) == [2048, 2048, 904]
+    assert prefill_updates(100) == [100]
+
+
+@pytest.mark.model
+def test_loaded_model_headroom_measures_the_live_cache(lm, monkeypatch):
+    """`--model-config loaded`: measured bytes of the embedded model's live cache beside the formulas."""
+    import kvdemo.models
+
+    monkeypatch.setattr(kvdemo.models, "load_model", lambda *a, **k: lm)
+    args = Namespace(
+        model_config="loaded",
+        gpu="l4-24gb",
+        gpu_memory_gb=None,
+        gpus=1,
+        context=128,
+        users=None,
+        weight_bits=16,
+        reserve_gb=None,
+        precision="full,int4:g64:r64,int4:g64:r64:s4",
+        json=True,
+    )
+    out = memory.run_headroom_cli(args)
+    assert out["model_config"] == "loaded" and out["model"]["layers"] == 30 and out["model"]["kv_heads"] == 3
+    assert out["bytes_per_token"]["full"] == 23_040  # planning: 16-bit
+    rows = {r["precision"]: r for r in out["measured"]["results"]}
+    assert out["measured"]["tokens"] == 128 and out["measured"]["dtype"] == "float32"
+    for label, r in rows.items():
+        assert r["bytes"] == r["formula_bytes"], label  # regions replayed exactly
+    # residual empty and no sinks: bytes/token x tokens is the live cache, within 1% (exactly, here)
+    assert rows["full"]["error_vs_plain"] == 0  # a full-precision cache is bytes/token x tokens
+    assert rows["int4:g64:r64"]["layout"] == {"tokens": 128, "quantized": 128, "sinks": 0, "residual": 0}
+    assert abs(rows["int4:g64:r64"]["error_vs_plain"]) < 0.01
+    # the plain formula misses the 4 sink tokens kept at fp32 (K and V, 4 bytes each) beside their dummy codes
+    sinks = rows["int4:g64:r64:s4"]
+    assert sinks["bytes"] - sinks["formula_plain_bytes"] == 4 * 30 * 3 * 64 * 2 * 4
+    assert "measured live cache" in memory.format_headroom(out)
+
+
+# --- production mapping ----------------------------------------------------------------------------
+
+
+def test_full_precision_is_each_engine_default():
+    p = production_settings("full")
+    assert p["vllm"]["setting"] == "--kv-cache-dtype auto"
+    assert p["llama.cpp"]["setting"] == "-ctk f16 -ctv f16"
+    assert all(p[e]["match"] == "exact" and not p[e]["cannot_express"] for e in ("vllm", "llama.cpp", "transformers"))
+
+
+def test_vllm_has_only_fp8_kv():
+    for spec in ("int8", "int4", "int2", "k8v4", "fp8"):
+        v = production_settings(spec)["vllm"]
+        assert v["setting"].startswith("--kv-cache-dtype fp8 ") and v["match"] == "nearest"
+    assert production_settings("fp8-e5m2")["vllm"]["setting"] == "--kv-cache-dtype fp8_e5m2"
+    gaps = " ".join(production_settings("int4:s4")["vllm"]["cannot_express"])
+    assert "below 8 bits" in gaps and "sink" in gaps and "residual" in gaps and "per-channel" in gaps
+    assert "sink" not in " ".join(production_settings("int4:s0")["vllm"]["cannot_express"])
+    assert "different key and value formats" in " ".join(production_settings("k8v4")["vllm"]["cannot_express"])
+
+
+def test_llama_cpp_types_and_flash_attention():
+    assert production_settings("k8v4")["llama.cpp"]["setting"] == "-ctk q8_0 -ctv q4_1 -fa on"
+    assert "GGML_CUDA_FA_ALL_QUANTS" in " ".join(production_settings("k8v4")["llama.cpp"]["notes"])
+    assert production_settings("int8")["llama.cpp"]["setting"] == "-ctk q8_0 -ctv q8_0 -fa on"
+    two = production_settings("int2")["llama.cpp"]
+    assert "2-bit" in " ".join(two["cannot_express"]) and two["bits_per_element"]["key"] == 4.5
+    for spec in ALL:
+        e = production_settings(spec)["llama.cpp"]
+        k, v = e["setting"].split()[1], e["setting"].split()[3]
+        assert k in LLAMA_CPP_BITS and v in LLAMA_CPP_BITS
+        assert spec == "full" or "flash attention" in " ".join(e["notes"])
+
+
+def test_transformers_quantized_cache_settings_are_accepted_by_transformers():
+    from transformers import LlamaConfig
+    from transformers.cache_utils import QuantizedCache
+
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=64
+    )
+    t = production_settings("int4", head_dim=64)["transformers"]
+    assert t["cache_config"] == {
+        "backend": "quanto",
+        "nbits": 4,
+        "axis_key": -1,
+        "axis_value": 0,
+        "q_group_size": 64,
+        "residual_length": 128,
+    }
+    assert production_settings("int4:ktoken")["transformers"]["cache_config"]["axis_key"] == 0
+    assert production_settings("int2:r256")["transformers"]["cache_config"]["residual_length"] == 256
+    for spec in ("int4", "int2", "int4:ktoken", "k4v2"):
+        cfg = dict(production_settings(spec, head_dim=64)["transformers"]["cache_config"])
+        QuantizedCache(backend=cfg.pop("backend"), config=config, **cfg)  # raises if transformers rejects it
+    assert '"backend": "fp8"' in production_settings("fp8")["transformers"]["setting"]
+    QuantizedCache(backend="fp8", config=config)
+    eight = production_settings("k8v4")["transformers"]
+    assert eight["cache_config"]["backend"] == "hqq" and eight["cache_config"]["nbits"] == 8
+    assert "one nbits for both" in " ".join(eight["cannot_express"])
+
+
+# --- figures -----------------------------------------------------------------------------------------
+
+
+def test_figures_build_with_the_expected_traces():
+    from kvdemo import figures
+
+    out = _hr(specs=["full", "int8", "int4", "int2"], gpus=4, context=100_000, users=4)
+    mem = figures.headroom_memory_figure(out)
+    names = [t.name for t in mem.data]
+    assert names[:4] == ["full", "int8", "int4", "int2"] and "GPU budget" in names
+    budget = next(t for t in mem.data if t.name == "GPU budget")
+    assert set(budget.y) == {out["curve"]["budget_gb"]}
+    full = mem.data[0]
+    assert list(full.y) == sorted(full.y) and out["context"] in full.x
+    conc = figures.headroom_concurrency_figure(out)
+    assert list(conc.data[0].y) == list(out["max_sequences"].values())
+    split = figures.headroom_split_figure(out)
+    assert [t.name for t in split.data] == ["weights", "KV cache", "reserve", "unused"]
+    for i in range(4):
+        assert sum(t.x[i] for t in split.data) == pytest.approx(out["budget_bytes"] / GB)
+    heat = figures.headroom_stacking_figure(out)
+    assert [list(r) for r in heat.data[0].z] == [
+        [out["stacking"][k][b] for b in ("16", "8", "4")] for k in out["stacking"]
+    ]
+    over = figures.headroom_split_figure(_hr(specs=["int4"], gpus=1))
+    assert "over budget" in [t.name for t in over.data]
+
+
+# --- CLI ---------------------------------------------------------------------------------------------
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvdemo", "headroom", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_headroom_json_end_to_end():
+    r = _cli(
+        "--model-config", "llama-3.1-70b", "--gpu", "h100-80gb", "--gpus", "4", "--context", "100000",
+        "--precision", "full,int8,int4", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("model_config", "gpu", "gpus", "context", "bytes_per_token", "max_sequences", "max_context_for_users"):
+        assert key in out
+    for key in ("split", "reason", "production", "stacking"):
+        assert set(out[key]) == {"full", "int8", "int4"}
+    assert out["bytes_per_token"] == {"full": 327_680, "int8": 168_960, "int4": 87_040}
+    assert out["max_sequences"]["int4"] >= 3.5 * out["max_sequences"]["full"] > 0
+
+
+def test_cli_headroom_text_and_errors():
+    r = _cli("--model-config", "qwen2.5-7b", "--gpu", "l4", "--context", "32768", "--weight-bits", "8")
+    assert r.returncode == 0, r.stderr
+    assert "Qwen2.5-7B" in r.stdout and "max seqs" in r.stdout and "--kv-cache-dtype" in r.stdout
+    bad = _cli("--model-config", "gpt-5")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model config") and bad.stdout == ""
+    assert len(bad.stderr.strip().splitlines()) == 1
+    custom = _cli("--model-config", "llama-3.1-8b", "--gpu-memory-gb", "10", "--context", "4096", "--json")
+    out = json.loads(custom.stdout)
+    assert out["gpu"] == "custom-10gb" and set(out["max_sequences"].values()) == {0}
