@@ -111,9 +111,9 @@ def extract_bytes(data: bytes, filename: str, max_bytes: int = MAX_UPLOAD_BYTES)
     ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
     if ext and ext not in EXTENSIONS:
         raise DocumentError(f"unsupported file type .{ext}; allowed: " + ", ".join(f".{e}" for e in EXTENSIONS))
-    kind = EXTENSIONS.get(ext) or _sniff_kind(data)
-    notes: list[str] = []
     sniffed = _sniff_kind(data)
+    kind = EXTENSIONS.get(ext) or sniffed
+    notes: list[str] = []
     if kind in ("txt", "md", "html") and sniffed in ("pdf", "docx"):  # a mislabelled PDF / Word file
         notes.append(f"the file is named .{ext or '(none)'} but is a {sniffed.upper()}; read it as {sniffed}")
         kind = sniffed
@@ -133,7 +133,10 @@ def display_name(filename: str) -> str:
     """The last path component of an upload's name, without control characters (for labels only)."""
     base = re.split(r"[\\/]", str(filename or ""))[-1]
     base = "".join(c for c in base if unicodedata.category(c)[0] != "C").strip()
-    return base[:200] or "document"
+    if len(base) > 200:  # shorten the stem, keep the extension (it picks the parser)
+        stem, dot, ext = base.rpartition(".")
+        base = stem[:190] + dot + ext[:9] if dot else base[:200]
+    return base or "document"
 
 
 def _mb(n: int) -> str:

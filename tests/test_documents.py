@@ -393,6 +393,8 @@ def test_file_names_are_never_paths(tmp_path, monkeypatch):
     assert doc.text == "uploaded bytes" and doc.name == "secret.txt"
     assert extract_bytes(b"x", "..\\..\\windows\\evil\x00.txt").name == "evil.txt"
     assert extract_bytes(b"x", "").name == "document"
+    long_name = extract_bytes(make_docx(), "r" * 500 + ".docx")
+    assert long_name.kind == "docx" and long_name.name.endswith(".docx") and len(long_name.name) <= 200
     for data, name in [(make_pdf(PDF_TEXT), "../../a.pdf"), (make_docx(), "/tmp/../b.docx"), (b"<p>x</p>", "c.html")]:
         extract_bytes(data, name)
     assert sorted(os.listdir(tmp_path)) == before

@@ -65,7 +65,7 @@ def cases(draw, finite: bool = True):
     kind = draw(st.sampled_from(KINDS))
     magnitude = draw(st.floats(-FP16_MAX, FP16_MAX, allow_nan=False, width=32))
     x = make_tensor(shape, kind, magnitude, draw(st.integers(0, 2**31 - 1)))
-    return x, fmt, axis, group
+    return x.clamp(-FP16_MAX, FP16_MAX), fmt, axis, group  # beyond fp16: test_nan_inf_and_out_of_range_...
 
 
 def assert_finite_metadata(q: reference.QuantizedTensor) -> None:
@@ -103,7 +103,7 @@ def test_dequantize_to_16_bit_stays_finite(case):
 
 
 @SETTINGS
-@given(cases(), st.floats(0.0, 0.3), st.integers(0, 2**31 - 1), st.floats(1e5, 3e38, width=32))
+@given(cases(), st.floats(0.0, 0.3), st.integers(0, 2**31 - 1), st.floats(1e5, 3e38))
 def test_nan_inf_and_out_of_range_inputs_give_finite_codes(case, fraction, seed, beyond):
     x, fmt, axis, group = case
     gen = torch.Generator().manual_seed(seed)
