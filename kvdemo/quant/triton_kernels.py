@@ -10,9 +10,10 @@ Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its
   `c10::Float8_e4m3fn` / `Float8_e5m2` round-to-nearest-even (Triton's interpreter rounds fp8
   casts differently from the hardware, so no float8 cast is used anywhere here).
 - `past_attention(query, kv, scaling) -> (out, lse)`: every query over one layer's stored past
-  (sinks + quantized region + full-precision residual), flash-decoding style: the quantized region
-  is split over the sequence into `num_splits` programs per (batch, kv head), one more program
-  takes the sinks and the residual, and a second kernel merges the partial results by log-sum-exp.
+  (sinks + quantized region + full-precision residual), flash-decoding style: the sequence is split
+  into programs of equal tile counts per (batch, kv head), quantized region and residual alike (the
+  first residual program also takes the sinks), and a second kernel merges the partial results by
+  log-sum-exp.
   One program serves every query head of its kv-head group (GQA: each K/V tile is read once).
   K/V stay packed in memory and are dequantized in registers; per-channel keys never are:
   ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block.
@@ -321,13 +322,15 @@ def _online_update(acc, m_i, l_i, s, v):
 
 
 @triton.jit
-def _full_segment(acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, n_tok, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """Full-precision keys/values rows [0, n_tok) of one (batch, kv head): sinks or residual."""
+def _full_segment(
+    acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, row_begin, row_end, BLOCK_N: tl.constexpr, D: tl.constexpr
+):
+    """Full-precision keys/values rows [row_begin, row_end) of one (batch, kv head): sinks or residual."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    for start in range(0, n_tok, BLOCK_N):
+    for start in range(row_begin, row_end, BLOCK_N):
         pos = (start + offs_n).to(tl.int64)
-        valid = pos < n_tok
+        valid = pos < row_end
         k = tl.load(k_base + pos[:, None] * sk_t + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # [BM, BN]
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -393,6 +396,7 @@ def _decode_split_kernel(
     tiles_per_split,
     num_splits,
     qk_scale,
+    parts,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -407,7 +411,8 @@ def _decode_split_kernel(
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
     split < num_splits: quantized tiles [split * tiles_per_split, ...) of positions [S, Q);
-    split == num_splits: the sinks [0, S) and the residual (R rows). Writes o (normalized) and lse.
+    split = num_splits + f: residual rows [f * tiles_per_split * BLOCK_N, ...), and for f = 0 also the
+    sinks [0, S). Writes o (normalized) and lse of its slot; `parts` slots per (batch, kv head).
     """
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -425,20 +430,25 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if pid_s == num_splits:
-        acc, m_i, l_i = _full_segment(
-            acc,
-            m_i,
-            l_i,
-            q,
-            sk_ptr + b * ssk_b + h * ssk_h,
-            sv_ptr + b * ssv_b + h * ssv_h,
-            ssk_t,
-            ssv_t,
-            S,
-            BLOCK_N,
-            D,
-        )
+    if pid_s >= num_splits:
+        f = pid_s - num_splits
+        if f == 0:
+            acc, m_i, l_i = _full_segment(
+                acc,
+                m_i,
+                l_i,
+                q,
+                sk_ptr + b * ssk_b + h * ssk_h,
+                sv_ptr + b * ssv_b + h * ssv_h,
+                ssk_t,
+                ssv_t,
+                0,
+                S,
+                BLOCK_N,
+                D,
+            )
+        r_begin = f * tiles_per_split * BLOCK_N
+        r_end = tl.minimum(r_begin + tiles_per_split * BLOCK_N, R)
         acc, m_i, l_i = _full_segment(
             acc,
             m_i,
@@ -448,7 +458,8 @@ def _decode_split_kernel(
             rv_ptr + b * srv_b + h * srv_h,
             srk_t,
             srv_t,
-            R,
+            r_begin,
+            r_end,
             BLOCK_N,
             D,
         )
@@ -500,7 +511,7 @@ def _decode_split_kernel(
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    slot = pid_bh.to(tl.int64) * (num_splits + 1) + pid_s
+    slot = pid_bh.to(tl.int64) * parts + pid_s
     tl.store(o_part_ptr + (slot * BLOCK_M + offs_m[:, None]) * D + offs_d[None, :], o)
     tl.store(lse_part_ptr + slot * BLOCK_M + offs_m, lse)
 
@@ -532,12 +543,10 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_
 
 
 def _default_splits(n_tiles: int, programs: int, device: torch.device) -> int:
-    """Splits per (batch, kv head): about 4 programs per SM in all, at least 4 tiles per split."""
-    if n_tiles == 0:
-        return 0
+    """Splits of the sequence per (batch, kv head): about 4 programs per SM in all, >= 4 tiles each."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     want = max(1, -(-4 * sms // programs))
-    return max(1, min(want, n_tiles // 4 or 1))
+    return max(1, min(want, n_tiles // 4))
 
 
 def _arg(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
@@ -555,7 +564,9 @@ def past_attention(
     """Fused decode attention of `query` over one layer's packed past (twin of `reference.past_attention`).
 
     query: [B, Hq, n, D] (any float dtype, any strides); kv: `kvdemo.cache.PackedKV`, kv.length > 0.
-    num_splits: splits of the quantized region per (batch, kv head) (default: about 4 programs per SM).
+    num_splits: programs per (batch, kv head) the sequence is split over, before rounding to whole tiles:
+    the quantized region and the full-precision residual get tiles of the same count each (default:
+    about 4 programs per SM). The partial results are merged by log-sum-exp.
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
     `supports_attention`, is handed to the reference (the decode path never passes a mask).
     """
@@ -570,17 +581,13 @@ def past_attention(
     s_len, q_len, r_len = kv.num_sinks, kv.quant_len, kv.residual_keys.shape[-2]
     quant = q_len > s_len
     block_n = min(MAX_BLOCK_N, kv.key_group if kv.key_axis == "channel" else MAX_BLOCK_N) if quant else MAX_BLOCK_N
-    n_tiles = triton.cdiv(q_len, block_n) if quant else 0
+    n_tiles = triton.cdiv(q_len, block_n) if quant else 0  # quantized tiles (positions [0, Q), aligned)
+    r_tiles = triton.cdiv(r_len, block_n)
     if num_splits is None:
-        num_splits = _default_splits(n_tiles, b * hkv, query.device)
-    num_splits = max(0, min(int(num_splits), n_tiles)) if quant else 0
-    if quant and num_splits == 0:
-        num_splits = 1
-    tiles_per_split = triton.cdiv(n_tiles, num_splits) if num_splits else 0
-    if num_splits:
-        num_splits = triton.cdiv(n_tiles, tiles_per_split)  # no split left without tiles
-
-    parts = num_splits + 1
+        num_splits = _default_splits(n_tiles + r_tiles, b * hkv, query.device)
+    tiles_per_split = max(1, triton.cdiv(n_tiles + r_tiles, max(1, int(num_splits))))
+    q_splits = triton.cdiv(n_tiles, tiles_per_split)
+    parts = q_splits + max(1, triton.cdiv(r_tiles, tiles_per_split))  # the first residual split has the sinks
     o_part = torch.empty((b * hkv, parts, block_m, d), dtype=torch.float32, device=query.device)
     lse_part = torch.empty((b * hkv, parts, block_m), dtype=torch.float32, device=query.device)
     out = torch.empty((b, hq, n, d), dtype=torch.float32, device=query.device)
@@ -611,8 +618,9 @@ def past_attention(
         q_len if quant else 0,
         r_len,
         tiles_per_split,
-        num_splits,
+        q_splits,
         float(scaling) * LOG2E,
+        parts,
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -1,0 +1,351 @@
+"""Triton kernels (kvdemo/quant/triton_kernels.py) against the PyTorch reference, under TRITON_INTERPRET=1.
+
+Stated bounds:
+- quantize: codes, scales and zero points are bit-identical to `reference.quantize` (every format,
+  both axes, fp32/fp16/bf16 inputs, outliers, inf/nan, constant groups, strided inputs);
+- past_attention: out and lse within rtol 1e-4 and atol 1e-5 * max(1, max |reference|) of
+  `reference.past_attention` in fp32. Both are fp32 sums in different orders: with logits up to
+  ~150 (outlier key channels) each is ~1e-5 from a float64 evaluation, the kernel usually the closer.
+  (The interpreter computes the tf32x3 dots in fp32; on a GPU they agree to about fp32 rounding.)
+Shapes are tiny: the interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels become interpreted functions
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from kvdemo import attention  # noqa: E402
+from kvdemo import quant as kvquant  # noqa: E402
+from kvdemo.cache import CacheView, QuantizedLayer  # noqa: E402
+from kvdemo.precision import parse_precision  # noqa: E402
+from kvdemo.quant import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.triton
+ROOT = Path(__file__).resolve().parents[1]
+FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2")
+
+
+def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The stated bound for attention outputs and log-sum-exps (see the module docstring)."""
+    scale = max(1.0, float(want[torch.isfinite(want)].abs().max())) if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.fixture(scope="module")
+def tk():
+    """The kernels module, interpreted (reloaded if something imported it before TRITON_INTERPRET was set)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kvdemo.quant import triton_kernels
+
+    if not isinstance(triton_kernels._quantize_kernel, InterpretedFunction):
+        triton_kernels = importlib.reload(triton_kernels)
+    assert isinstance(triton_kernels._decode_split_kernel, InterpretedFunction)
+    return triton_kernels
+
+
+def _keys(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Keys-like data: per-channel magnitudes spanning decades, one outlier channel."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:2] + (1, shape[-1]), generator=g) * 1.5)
+    x[..., 1] += 8.0
+    return x.to(dtype)
+
+
+def _assert_same_quantized(a: ref.QuantizedTensor, b: ref.QuantizedTensor) -> None:
+    assert a.codes.dtype == b.codes.dtype == torch.uint8 and a.codes.shape == b.codes.shape
+    assert torch.equal(a.codes, b.codes), f"{int((a.codes != b.codes).sum())} code bytes differ"
+    assert torch.equal(a.scale, b.scale), "scales differ"
+    assert (a.zero is None) == (b.zero is None)
+    if a.zero is not None:
+        assert torch.equal(a.zero, b.zero), "zero points differ"
+
+
+# --- fp8 bit conversion ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp8_roundtrip_kernel(x_ptr, enc_ptr, byte_ptr, dec_ptr, n, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    from kvdemo.quant.triton_kernels import _fp8_decode, _fp8_encode
+
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+    tl.store(enc_ptr + offs, _fp8_encode(x, FP8).to(tl.uint8), mask=ok)
+    byte = tl.load(byte_ptr + offs, mask=ok, other=0).to(tl.int32)
+    tl.store(dec_ptr + offs, _fp8_decode(byte, FP8), mask=ok)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_bits_match_torch(tk, fmt):
+    """Encode: round-to-nearest-even like torch, ties, subnormals and carries into the exponent
+    included (Triton's interpreter gets these wrong with a float8 cast). Decode: every byte exactly."""
+    dtype, fmax = ref.FP8_DTYPES[fmt], ref.FP8_MAX[fmt]
+    g = torch.Generator().manual_seed(1)
+    mags = torch.exp2(torch.empty(6000).uniform_(-24, 17, generator=g)).clamp(max=fmax)
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = grid[torch.isfinite(grid)].abs().unique()
+    ties = (grid[1:] + grid[:-1]) / 2  # exact midpoints between neighbouring fp8 values
+    x = torch.cat([mags, -mags, ties, -ties, grid, -grid, torch.tensor([0.0, -0.0, fmax, -fmax])])
+    n = x.numel()
+    enc = torch.empty(n, dtype=torch.uint8)
+    byte = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
+    dec = torch.empty(n)
+    _fp8_roundtrip_kernel[(1,)](x, enc, byte, dec, n, FP8=tk.FP8_CODE[fmt], BLOCK=triton.next_power_of_2(n))
+    assert torch.equal(enc, x.to(dtype).view(torch.uint8))
+    want = byte.view(dtype).float()
+    finite = torch.isfinite(want)
+    assert torch.equal(dec[finite], want[finite])
+
+
+# --- quantize-and-pack ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_matches_reference(tk, fmt, head_dim):
+    # keys per channel (two 32-token blocks), values per token with groups smaller than, equal to
+    # and (for packed formats) spanning several code planes; an odd token count on the token axis
+    for axis, group, tokens in (("channel", 32, 64), ("token", 16, 37), ("token", head_dim, 37)):
+        x = _keys((1, 2, tokens, head_dim), seed=head_dim + tokens)
+        _assert_same_quantized(ref.quantize(x, fmt, axis, group), tk.quantize(x, fmt, axis, group))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_edge_values_and_dtypes(tk, fmt):
+    x = _keys((2, 1, 32, 64), seed=3)
+    x[0, 0, 5, 7] = float("nan")
+    x[0, 0, 6, 8] = float("inf")
+    x[1, 0, 9, 9] = float("-inf")
+    x[1, 0, :, 20] = 0.25  # a constant channel: scale clamped to MIN_SCALE
+    x[1, 0, 3, :] = -1.5  # a constant token
+    x[0, 0, 2, 30] = 1e30  # beyond fp16: clamped
+    x[0, 0, 4, 31] = 3e-7  # tiny values: fp16-subnormal scales
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        xd = x.to(dtype)
+        for axis, group in (("channel", 16), ("token", 32)):
+            _assert_same_quantized(ref.quantize(xd, fmt, axis, group), tk.quantize(xd, fmt, axis, group))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+def test_quantize_rounds_ties_to_even(tk, fmt):
+    """Groups spanning [0, levels] have scale 1, so k + 0.5 is an exact tie: half-to-even, as torch."""
+    levels = (1 << ref.INT_BITS[fmt]) - 1
+    row = torch.cat([torch.tensor([0.0, float(levels)]), torch.arange(levels) + 0.5])  # 2 + levels values
+    row = row.repeat(-(-32 // row.numel()))[:32]
+    row[0], row[1] = 0.0, float(levels)
+    x = row.view(1, 1, 1, 32).expand(1, 1, 32, 32).clone()  # token axis: each token is one group of 32
+    q = tk.quantize(x, fmt, "token", 32)
+    _assert_same_quantized(ref.quantize(x, fmt, "token", 32), q)
+    codes = ref.unpack(q.codes, ref.INT_BITS[fmt])[0, 0, 0].float()
+    assert torch.equal(codes, row.round())  # torch.round: half to even
+    xt = x.transpose(-1, -2).contiguous()  # channel axis: each channel is one group of 32 tokens
+    _assert_same_quantized(ref.quantize(xt, fmt, "channel", 32), tk.quantize(xt, fmt, "channel", 32))
+
+
+def test_quantize_strided_input_and_large_groups(tk):
+    base = _keys((1, 24, 3, 64), seed=5)  # [B, T, H, D] as a model's projection would lay it out
+    x = base.transpose(1, 2)  # [B, H, T, D], non-contiguous
+    for fmt in ("int4", "fp8_e4m3"):
+        _assert_same_quantized(ref.quantize(x, fmt, "token", 64), tk.quantize(x, fmt, "token", 64))
+    y = _keys((1, 1, 256, 64), seed=6)
+    for fmt in ("int8", "int2"):
+        _assert_same_quantized(ref.quantize(y, fmt, "channel", 256), tk.quantize(y, fmt, "channel", 256))
+
+
+def test_quantize_into_writes_only_its_rows(tk):
+    x = _keys((1, 2, 32, 64), seed=7)
+    codes = torch.full((1, 2, 96, 32), 0xAB, dtype=torch.uint8)  # a preallocated int4 buffer
+    scale = torch.full((1, 2, 6, 64), 7.0, dtype=torch.float16)
+    zero = torch.full((1, 2, 6, 64), 7.0, dtype=torch.float16)
+    tk.quantize_into(x, "int4", "channel", 16, codes[:, :, 32:64], scale[:, :, 2:4], zero[:, :, 2:4])
+    want = ref.quantize(x, "int4", "channel", 16)
+    assert torch.equal(codes[:, :, 32:64], want.codes)
+    assert torch.equal(scale[:, :, 2:4], want.scale) and torch.equal(zero[:, :, 2:4], want.zero)
+    assert bool((codes[:, :, :32] == 0xAB).all() and (codes[:, :, 64:] == 0xAB).all())
+    assert bool((scale[:, :, :2] == 7).all() and (scale[:, :, 4:] == 7).all() and (zero[:, :, 4:] == 7).all())
+
+
+def test_quantize_rejects_bad_input(tk):
+    x = torch.randn(1, 1, 20, 64)
+    with pytest.raises(ValueError, match="whole number"):
+        tk.quantize(x, "int4", "channel", 16)
+    with pytest.raises(ValueError, match="head_dim"):
+        tk.quantize(torch.randn(1, 1, 16, 80), "int4", "token", 16)
+    with pytest.raises(ValueError, match=r"\[B, H, T, D\]"):
+        tk.quantize(torch.randn(20, 64), "int8", "token", 64)
+    with pytest.raises(ValueError, match="codes must be"):
+        tk.quantize_into(x, "int8", "token", 64, torch.empty(1, 1, 20, 32, dtype=torch.uint8), None, None)
+
+
+# --- fused decode attention -----------------------------------------------------------------------
+
+
+def _layer(spec: str, hkv: int, head_dim: int, chunks, seed: int, dtype=torch.float32) -> QuantizedLayer:
+    """A real cache layer fed `chunks` tokens at a time (the regions come from QuantizedLayer itself)."""
+    layer = QuantizedLayer(parse_precision(spec))
+    g = torch.Generator().manual_seed(seed)
+    for n in chunks:
+        k = _keys((1, hkv, n, head_dim), seed=int(torch.randint(0, 2**30, (1,), generator=g)))
+        v = torch.randn(1, hkv, n, head_dim, generator=g)
+        layer.update(k.to(dtype), v.to(dtype))
+    return layer
+
+
+ATTENTION_CASES = [
+    # spec, kv heads, GQA ratio, head_dim, chunks fed, queries, splits
+    ("int4:g32:r32:s4", 1, 1, 64, [77], 1, None),  # odd length, sinks, residual, default splits
+    ("int8:g16:r16:s3", 2, 3, 64, [50, 1, 1], 1, 2),  # appends after prefill
+    ("int2:g32:r32:s4", 1, 8, 128, [101], 2, 3),  # GQA 8, head_dim 128, two queries
+    ("fp8:g16:r16:s4", 1, 3, 128, [61], 1, None),
+    ("fp8-e5m2:g16:r16", 1, 3, 64, [40], 1, 1),  # no sinks
+    ("k8v4:g16:r16:s2:ktoken", 2, 1, 64, [45], 1, None),  # keys per token
+    ("k4v8:g16:r16:s4", 1, 8, 64, [32], 1, 2),  # residual empty after the flush
+    ("k8v2:g64:r64:s4", 1, 3, 128, [140], 1, 4),  # tile of 64 tokens inside 64-token key blocks
+    ("int4:g128:r128:s4", 1, 3, 64, [130], 1, 2),  # 128-token key blocks, 64-token tiles
+    ("int4:g32:r32:s4", 1, 3, 64, [20], 1, None),  # no quantized region yet: sinks + residual only
+    ("full", 2, 3, 64, [150], 1, 3),  # unquantized: the residual alone, split over programs
+]
+
+
+@pytest.mark.parametrize("spec,hkv,grp,head_dim,chunks,n_q,splits", ATTENTION_CASES)
+def test_past_attention_matches_reference(tk, spec, hkv, grp, head_dim, chunks, n_q, splits):
+    kv = _layer(spec, hkv, head_dim, chunks, seed=len(spec) + sum(chunks)).packed()
+    query = torch.randn(1, hkv * grp, n_q, head_dim, generator=torch.Generator().manual_seed(9))
+    want_out, want_lse = ref.past_attention(query, kv, head_dim**-0.5)
+    out, lse = tk.past_attention(query, kv, head_dim**-0.5, num_splits=splits)
+    assert out.dtype == lse.dtype == torch.float32
+    assert_attention_close(out, want_out)
+    assert_attention_close(lse, want_lse)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_past_attention_every_format_with_split_merge(tk, fmt):
+    spec = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}.get(fmt, fmt) + ":g16:r16:s4"
+    kv = _layer(spec, 1, 64, [71], seed=11).packed()
+    query = torch.randn(1, 3, 1, 64, generator=torch.Generator().manual_seed(12))
+    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    for splits in (1, 3, 50):  # one program, several, more than there are tiles
+        out, lse = tk.past_attention(query, kv, 0.125, num_splits=splits)
+        assert_attention_close(out, want_out)
+        assert_attention_close(lse, want_lse)
+
+
+def test_past_attention_mid_block_past_and_half_precision(tk):
+    # the past of a call whose own tokens were already flushed: Q is not a multiple of the group size
+    layer = _layer("int4:g16:r16:s4", 1, 64, [40, 8], seed=13)
+    kv = layer.packed(45)
+    assert kv.quant_len == 45 and kv.quant_len % 16
+    query = torch.randn(1, 3, 64, 2)[..., :1].transpose(-1, -2)  # [B, Hq, n, D], last-dim stride 2
+    assert query.stride(-1) == 2
+    assert_attention_close(tk.past_attention(query, kv, 0.125)[0], ref.past_attention(query, kv, 0.125)[0])
+    half = _layer("int8:g16:r16:s4", 1, 64, [53], seed=14, dtype=torch.float16).packed()
+    q16 = torch.randn(1, 3, 1, 64).half()
+    want = ref.past_attention(q16, half, 0.125)
+    got = tk.past_attention(q16, half, 0.125)
+    assert_attention_close(got[0], want[0])
+    assert_attention_close(got[1], want[1])
+
+
+def test_past_attention_falls_back_for_masks_and_odd_head_dims(tk):
+    kv = _layer("int8:g16:r16:s4", 1, 64, [40], seed=15).packed()
+    query = torch.randn(1, 2, 1, 64)
+    mask = torch.ones(1, 1, 1, kv.length, dtype=torch.bool)
+    mask[..., 10:20] = False
+    torch.testing.assert_close(tk.past_attention(query, kv, 0.125, mask), ref.past_attention(query, kv, 0.125, mask))
+    assert not tk.supports_attention(torch.randn(1, 2, 1, 80), _layer("int8:g16:r16", 1, 80, [40], seed=1).packed())
+    assert tk.supports_attention(query, kv)
+
+
+# --- dispatch -------------------------------------------------------------------------------------
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv(kvquant.BACKEND_ENV, raising=False)
+    assert kvquant.backend_for("cpu") == "torch"
+    assert attention.backend_for(torch.device("cpu")) == "torch"
+    assert kvquant.backend_for("cuda") == "triton"  # decided by device type; nothing runs here
+    monkeypatch.setenv(kvquant.BACKEND_ENV, "torch")
+    assert kvquant.backend_for("cuda") == "torch"
+    monkeypatch.setenv(kvquant.BACKEND_ENV, "triton")
+    assert kvquant.backend_for("cpu") == "triton"  # TRITON_INTERPRET=1 is set in this module
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kvquant.backend_for("cpu")
+    monkeypatch.setenv(kvquant.BACKEND_ENV, "cuda-please")
+    with pytest.raises(ValueError, match="allowed: torch, triton"):
+        kvquant.backend_for("cpu")
+
+
+def test_cache_and_attention_through_the_triton_backend(tk, monkeypatch):
+    """QuantizedLayer's quantize-on-append and kvdemo attention's decode path, dispatched to Triton,
+    give the same bytes and (within tolerance) the same attention output as the torch backend."""
+    spec, grp = "k8v4:g16:r16:s4", 3
+    states = [_keys((1, 2, n, 64), seed=20 + n) for n in (37, 1, 1)]
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        layer = QuantizedLayer(parse_precision(spec))
+        outs = []
+        for i, k in enumerate(states):
+            view, _ = layer.update(k, k.flip(-1))
+            if view.past_len:
+                query = torch.randn(1, 2 * grp, k.shape[-2], 64, generator=torch.Generator().manual_seed(i))
+                outs.append(attention.attend(query, view, 0.125))
+        runs[backend] = (layer, outs)
+    (a, outs_a), (b, outs_b) = runs["torch"], runs["triton"]
+    assert a.quant_len == b.quant_len == 32
+    for name in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero"):
+        assert torch.equal(getattr(a, name).view(), getattr(b, name).view()), name
+    assert isinstance(view, CacheView) and len(outs_a) == 2
+    for x, y in zip(outs_a, outs_b, strict=True):
+        assert_attention_close(x, y)
+
+
+# --- GPU benchmark script, smoke mode -------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_gpu_benchmark_smoke(tmp_path):
+    """Every section of bench/gpu_attention.py runs and writes its JSON (a slice of --smoke: the
+    end-to-end part on the torch backend only; the interpreter needs minutes for 30 layers)."""
+    out = tmp_path / "gpu_attention.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env.pop("KVDEMO_BACKEND", None)
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--smoke", "--out", str(out)]
+    cmd += ["--contexts", "96", "--batches", "1,2", "--formats", "int4,fp8_e4m3"]
+    cmd += ["--quant-formats", "int8,int4,fp8_e4m3", "--e2e-backends", "torch", "--e2e-precisions", "int4"]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["smoke"] is True and report["device"]["type"] == "cpu"
+    assert report["copy"]["gb_s"] > 0
+    assert {r["format"] for r in report["quantize"]} >= {"int8", "int4", "fp8_e4m3"}
+    assert all(r["fraction_of_copy"] > 0 for r in report["quantize"])
+    rows = report["decode"]
+    assert rows and all(r["triton_us"] > 0 and r["sdpa_us"] > 0 and r["speedup"] > 0 for r in rows)
+    assert len(rows) == 4 and all(r["max_abs_err_vs_reference"] < 1e-4 for r in rows)
+    assert all(1.0 < r["memory_bound_limit"] < 4.0 for r in rows)
+    (e2e,) = report["e2e"]
+    assert e2e["backend"] == "torch" and e2e["new_tokens"] == 2 and e2e["decode_tok_s"] > 0
+    assert all(g["met"] is None for g in report["goals"].values())  # never judged from a smoke run
