@@ -5,6 +5,9 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads this when it is first imported (transformers may import it early): the Triton tests need
+# its CPU interpreter, and nothing else runs Triton on CPU (the backend is chosen per device).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
