@@ -22,29 +22,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .cache import CacheView
-from .quant import reference
+from .quant import backend_for, reference  # backend_for: one rule for attention and quantize-on-append
 
 NAME = "kvdemo"
 DECODE_MAX_QUERIES = 16
-BACKEND_ENV = "KVDEMO_BACKEND"  # "torch" | "triton" | unset (auto: triton on CUDA)
 
 # Optional observers (kvdemo.drift), called after each attention over a packed past (the decode path) as
 # fn(view=CacheView, query=[B, Hq, n, D], scaling=float, mask=bool [B, 1|Hq, n, past+n] | None,
 #    out=fp32 [B, Hq, n, D], lse=fp32 [B, Hq, n]) where lse is over the past and this call's tokens.
 observers: list = []
-
-
-def backend_for(device: torch.device) -> str:
-    """Backend name, "triton" or "torch": one rule for attention and quantize-on-append (see kvdemo.quant.backend_for)."""
-    from .quant import backend_for as quant_backend_for
-
-    return quant_backend_for(device)
-
-
-def _triton_available() -> bool:
-    from .quant import triton_available
-
-    return triton_available()
 
 
 def past_attention(query, packed, scaling, mask=None):

@@ -206,11 +206,7 @@ def get_model_config(name: str) -> ModelConfig:
 
 def config_from_model(lm: LoadedModel) -> ModelConfig:
     """The same config for a loaded model ("loaded"), with its real parameter count."""
-    seen, params = set(), 0
-    for p in lm.model.parameters():
-        if p.data_ptr() not in seen:  # tied embeddings count once
-            seen.add(p.data_ptr())
-            params += p.numel()
+    params = sum(p.numel() for p in lm.unique_parameters())  # tied embeddings count once
     return ModelConfig(
         name="loaded",
         display_name=lm.name,

@@ -63,13 +63,17 @@ class LoadedModel:
         """2 (K and V) x layers x kv_heads x head_dim x bytes."""
         return 2 * self.num_layers * self.kv_heads * self.head_dim * bytes_per_element
 
-    def weight_bytes(self) -> int:
-        seen, total = set(), 0
+    def unique_parameters(self) -> list[torch.nn.Parameter]:
+        """The model's parameters, tied ones (shared storage, e.g. tied embeddings) counted once."""
+        seen, params = set(), []
         for p in self.model.parameters():
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
-                total += p.numel() * p.element_size()
-        return total
+                params.append(p)
+        return params
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.unique_parameters())
 
     def info(self) -> dict:
         return {

@@ -60,28 +60,26 @@ def stop_token_ids(lm: LoadedModel) -> set[int]:
 
 
 @torch.no_grad()
-def forward(lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
-    """Append `ids` to the cache; return float32 logits [len(ids), vocab] of those positions' next tokens."""
+def forward(
+    lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK, last_only: bool = False
+) -> torch.Tensor:
+    """Append `ids` to the cache in chunks; return float32 logits [len(ids), vocab] of those positions'
+    next tokens ([1, vocab], the last position only, with `last_only`)."""
     if not len(ids):
         raise ValueError("nothing to run: empty token list")
     x = torch.tensor([list(ids)], device=lm.device)
     outs = []
     for start in range(0, x.shape[1], chunk):
         piece = x[:, start : start + chunk]
-        logits = lm.model(input_ids=piece, past_key_values=cache, use_cache=True).logits
-        outs.append(logits[0].float())
+        out = lm.model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=int(last_only))
+        logits = out.logits[0].float()
+        outs = [logits] if last_only else [*outs, logits]
     return torch.cat(outs)
 
 
-@torch.no_grad()
 def prefill(lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """Append `ids`; return the float32 logits [vocab] for the token after them (only the last row)."""
-    x = torch.tensor([list(ids)], device=lm.device)
-    last = None
-    for start in range(0, x.shape[1], chunk):
-        piece = x[:, start : start + chunk]
-        last = lm.model(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-    return last.float()
+    return forward(lm, ids, cache, chunk, last_only=True)[-1]
 
 
 @dataclass
@@ -166,7 +164,7 @@ def run_precision(
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token, None when one is a prefix of the other (no divergence seen)."""
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None
