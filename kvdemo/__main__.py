@@ -157,7 +157,13 @@ def _lazy(module: str, name: str):
     def call(*args):
         import importlib
 
-        return getattr(importlib.import_module(f"kvdemo.{module}"), name)(*args)
+        try:
+            found = importlib.import_module(f"kvdemo.{module}")
+        except ModuleNotFoundError as err:
+            if err.name != f"kvdemo.{module}":
+                raise
+            raise ValueError(f"this build has no kvdemo/{module}.py yet, so the command is unavailable") from None
+        return getattr(found, name)(*args)
 
     return call
 
