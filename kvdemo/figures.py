@@ -304,3 +304,175 @@ def bench_figures(report: dict) -> list[go.Figure]:
         bench_speed_figure(report),
         bench_needle_figure(report),
     ]
+
+
+# --- needle in a haystack: figures of `kvdemo.needle.run_grid` results (`NeedleResult.to_dict()`) ----------
+
+_NEEDLE_SCALE = [[0.0, "#F0496E"], [0.5, "#EBB839"], [1.0, "#0CD79F"]]  # as the well-known needle heatmaps
+_NEEDLE_VALUES = {"correct": "answer found", "answer_prob": "p(true answer)", "answer_logprob": "log p(true answer)"}
+
+
+def _needle_rows(result) -> tuple[list[dict], list[str], list[int], list[float]]:
+    """(rows, precisions, lengths, depths) of a needle result dict, a NeedleResult or a list of rows."""
+    out = result.to_dict() if hasattr(result, "to_dict") else result
+    rows = out["rows"] if isinstance(out, dict) else [r.to_dict() if hasattr(r, "to_dict") else r for r in out]
+    precisions = list(out.get("precisions") or []) if isinstance(out, dict) else []
+    precisions = [p for p in precisions if any(r["precision"] == p for r in rows)] or list(
+        dict.fromkeys(r["precision"] for r in rows)
+    )
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({r["depth"] for r in rows})
+    return rows, precisions, lengths, depths
+
+
+def _needle_value(row: dict, value: str) -> float:
+    import math
+
+    if value == "correct":
+        return float(row["correct"])
+    if value == "answer_prob":
+        return math.exp(row["answer_logprob"])
+    if value == "answer_logprob":
+        return float(row["answer_logprob"])
+    raise ValueError(f"unknown needle value {value!r}; allowed: {', '.join(_NEEDLE_VALUES)}")
+
+
+def _needle_grid(rows: list[dict], precision: str, lengths: list, depths: list, value: str) -> list[list]:
+    """z[depth][length] for one precision (None where a cell did not run)."""
+    cells = {(r["length"], r["depth"]): r for r in rows if r["precision"] == precision}
+    return [[_needle_value(cells[(n, d)], value) if (n, d) in cells else None for n in lengths] for d in depths]
+
+
+def _needle_texts(rows: list[dict], precision: str, lengths: list, depths: list) -> list[list[str]]:
+    cells = {(r["length"], r["depth"]): r for r in rows if r["precision"] == precision}
+    return [
+        [
+            f"{'ok' if cells[(n, d)]['correct'] else 'miss'}<br>{cells[(n, d)]['answer_logprob']:.2f}"
+            if (n, d) in cells
+            else ""
+            for n in lengths
+        ]
+        for d in depths
+    ]
+
+
+def _needle_panels(precisions: list[str], title: str) -> go.Figure:
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=max(len(precisions), 1), subplot_titles=precisions, shared_yaxes=True)
+    fig.update_layout(title=title, height=380, margin={"t": 80})
+    return fig
+
+
+def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
+    """Depth (down) x prompt length (across), one panel per precision, coloured by `value`:
+    "correct" (exact match), "answer_prob" (teacher-forced p of the true answer) or "answer_logprob".
+    Each cell is labelled with ok/miss and the answer's log-probability."""
+    rows, precisions, lengths, depths = _needle_rows(result)
+    fig = _needle_panels(precisions, f"Needle in a haystack: {_NEEDLE_VALUES.get(value, value)} by depth and length")
+    bounded = value in ("correct", "answer_prob")
+    for i, label in enumerate(precisions, start=1):
+        fig.add_trace(
+            go.Heatmap(
+                z=_needle_grid(rows, label, lengths, depths, value),
+                x=[str(n) for n in lengths],
+                y=[f"{d:g}%" for d in depths],
+                text=_needle_texts(rows, label, lengths, depths),
+                texttemplate="%{text}",
+                colorscale=_NEEDLE_SCALE if bounded else "Viridis",
+                zmin=0.0 if bounded else None,
+                zmax=1.0 if bounded else None,
+                showscale=i == len(precisions),
+                hovertemplate=label + ": %{x} tokens, depth %{y}<br>%{text}<extra></extra>",
+                xgap=2,
+                ygap=2,
+            ),
+            row=1,
+            col=i,
+        )
+        fig.update_xaxes(title_text="prompt tokens", type="category", row=1, col=i)
+    fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category", row=1, col=1)
+    return fig
+
+
+def needle_difference_figure(result, baseline: str = "full", value: str = "answer_logprob") -> go.Figure:
+    """Each quantized precision minus `baseline` on the same cells: log-prob change (default), change in
+    p(true answer), or correct (-1: lost, +1: gained). Diverging colours centred on 0, one scale for all panels."""
+    rows, precisions, lengths, depths = _needle_rows(result)
+    if baseline not in precisions:
+        raise ValueError(f"no {baseline!r} rows to compare with; have: {', '.join(precisions)}")
+    others = [p for p in precisions if p != baseline]
+    fig = _needle_panels(others, f"Needle: {_NEEDLE_VALUES.get(value, value)}, change vs {baseline}")
+    base = _needle_grid(rows, baseline, lengths, depths, value)
+    diffs = {}
+    for label in others:
+        mine = _needle_grid(rows, label, lengths, depths, value)
+        diffs[label] = [
+            [None if a is None or b is None else a - b for a, b in zip(ra, rb, strict=True)]
+            for ra, rb in zip(mine, base, strict=True)
+        ]
+    span = max([abs(v) for d in diffs.values() for r in d for v in r if v is not None] + [1e-3])
+    for i, (label, diff) in enumerate(diffs.items(), start=1):
+        fig.add_trace(
+            go.Heatmap(
+                z=diff,
+                x=[str(n) for n in lengths],
+                y=[f"{d:g}%" for d in depths],
+                text=[["" if v is None else f"{v:+.2f}" for v in r] for r in diff],
+                texttemplate="%{text}",
+                colorscale="RdBu",
+                zmin=-span,
+                zmax=span,  # one scale for every panel
+                showscale=i == len(others),
+                hovertemplate=label + f" - {baseline}: " + "%{x} tokens, depth %{y}: %{text}<extra></extra>",
+                xgap=2,
+                ygap=2,
+            ),
+            row=1,
+            col=i,
+        )
+        fig.update_xaxes(title_text="prompt tokens", type="category", row=1, col=i)
+    fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category", row=1, col=1)
+    return fig
+
+
+def needle_logprob_figure(result) -> go.Figure:
+    """Teacher-forced log p(true answer) vs prompt length, one line per precision: the mean over depths,
+    with bars from the worst to the best depth."""
+    rows, precisions, lengths, _ = _needle_rows(result)
+    fig = go.Figure()
+    for label in precisions:
+        means, lo, hi = [], [], []
+        for n in lengths:
+            vals = [r["answer_logprob"] for r in rows if r["precision"] == label and r["length"] == n]
+            m = sum(vals) / len(vals) if vals else None
+            means.append(m)
+            lo.append(m - min(vals) if vals else None)
+            hi.append(max(vals) - m if vals else None)
+        fig.add_trace(
+            go.Scatter(
+                x=lengths,
+                y=means,
+                mode="lines+markers",
+                name=label,
+                error_y={"type": "data", "array": hi, "arrayminus": lo, "visible": True, "thickness": 1},
+                hovertemplate="%{x} tokens: mean log p %{y:.3f}<extra>" + label + "</extra>",
+            )
+        )
+    fig.update_layout(
+        title="Needle: log p(true answer) vs length (mean over depths; bars: worst to best depth)",
+        xaxis={"title": "prompt tokens", "type": "log", "tickvals": lengths, "ticktext": [str(n) for n in lengths]},
+        yaxis_title="log p(true answer), nats",
+        height=380,
+    )
+    return fig
+
+
+def needle_figures(result) -> list[go.Figure]:
+    """The needle page's figures: pass/fail heatmap, log-prob change vs full, log-prob vs length."""
+    precisions = _needle_rows(result)[1]
+    figs = [needle_heatmap_figure(result)]
+    if "full" in precisions and len(precisions) > 1:
+        figs.append(needle_difference_figure(result))
+    figs.append(needle_logprob_figure(result))
+    return figs

@@ -196,7 +196,9 @@ def _why(where: str, err: Exception, local_only: bool) -> str:
     if local_only:
         return f"cannot load {where}: {_first_line(err)}"
     if "offline" in text.lower() or "connect" in text.lower() or "resolve" in text.lower() or "network" in text.lower():
-        return f"cannot download {where!r}: no network access to the model hub (use a local folder or the embedded model)"
+        return (
+            f"cannot download {where!r}: no network access to the model hub (use a local folder or the embedded model)"
+        )
     if "not a valid model identifier" in text or "404" in text or "Repository Not Found" in text:
         return f"unknown model {where!r}: not a local folder and not a model id on the hub"
     return f"cannot load {where!r}: {_first_line(err)}"

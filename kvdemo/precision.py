@@ -50,9 +50,7 @@ class PrecisionSpec:
         if self.key_axis not in KEY_AXES:
             raise ValueError(f"unknown key axis {self.key_axis!r}; allowed: {', '.join(KEY_AXES)}")
         if self.group_size not in GROUP_SIZES:
-            raise ValueError(
-                f"group size {self.group_size} not supported; allowed: {', '.join(map(str, GROUP_SIZES))}"
-            )
+            raise ValueError(f"group size {self.group_size} not supported; allowed: {', '.join(map(str, GROUP_SIZES))}")
         if self.residual < 0 or self.sinks < 0:
             raise ValueError("residual and sinks must be >= 0")
         if self.is_quantized and (self.residual == 0 or self.residual % self.group_size):

@@ -197,7 +197,9 @@ def compare(
 
 
 @torch.no_grad()
-def answer_logprob(lm: LoadedModel, cache: QuantizedKVCache, first_logits: torch.Tensor, answer_ids: Sequence[int]) -> float:
+def answer_logprob(
+    lm: LoadedModel, cache: QuantizedKVCache, first_logits: torch.Tensor, answer_ids: Sequence[int]
+) -> float:
     """Teacher-forced log-probability (natural log, summed) of `answer_ids` after the cached prompt.
 
     Mutates `cache` (appends the answer): pass a `fork()` to keep the prompt's cache.

@@ -12,7 +12,11 @@ def test_every_preset_parses_to_itself():
 def test_mixed_presets_and_options():
     spec = parse_precision("int4:g64:r128:s4")
     assert (spec.key_format, spec.value_format, spec.group_size, spec.residual, spec.sinks) == (
-        "int4", "int4", 64, 128, 4,
+        "int4",
+        "int4",
+        64,
+        128,
+        4,
     )
     k8v4 = parse_precision("k8v4")
     assert (k8v4.key_format, k8v4.value_format) == ("int8", "int4")

@@ -38,8 +38,10 @@ def test_round_trip_within_bound(fmt, axis, group):
 
 def test_error_shrinks_with_bits():
     x = torch.randn(1, 2, 128, 64, generator=torch.Generator().manual_seed(1))
-    errs = [(reference.dequantize(reference.quantize(x, f, "channel", 32)) - x).pow(2).mean() for f in
-            ("int2", "int4", "int8")]
+    errs = [
+        (reference.dequantize(reference.quantize(x, f, "channel", 32)) - x).pow(2).mean()
+        for f in ("int2", "int4", "int8")
+    ]
     assert errs[0] > errs[1] > errs[2]
 
 

@@ -1,0 +1,136 @@
+"""Chat: a document plus a conversation, each turn answered at full precision and at the chosen KV
+precision in two columns, both streaming, the first diverging token highlighted. The work is
+`kvdemo.chat.ChatSession` (kept in this session's state, so its caches are reused across turns)."""
+
+import html
+
+import streamlit as st
+
+from app_pages import common
+from kvdemo.chat import Answer, ChatError, ChatSession, Turn, divergence_split
+from kvdemo.runner import Cancelled
+
+lm = common.model()
+spec = common.spec()
+st.title("Chat with a document")
+st.caption(
+    "Every question is answered twice: with a full-precision KV cache and with your KV precision (sidebar). "
+    "The document is read once per precision; follow-up questions reuse both caches."
+)
+
+session: ChatSession | None = st.session_state.get("chat_session")
+with st.expander("Document", expanded=session is None or not session.turns):
+    doc = common.document_picker(lm, key="doc")
+doc_text = doc["text"] if doc else ""
+
+if session is None or session.lm is not lm:
+    if session is not None and session.turns:
+        st.info("A different model is loaded: the conversation starts again (the document is kept).")
+    session = ChatSession(lm, spec, doc_text)
+    st.session_state["chat_session"] = session
+else:
+    if session.document != doc_text.strip():
+        if session.turns:
+            st.info("New document: a new conversation starts.")
+        session.set_document(doc_text)
+    session.set_precision(spec)
+
+common.persist("chat_max_new", 64)
+c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
+max_new = int(c1.number_input("New tokens per answer", 1, 1024, step=16, key="chat_max_new"))
+read_now = c2.button("Read document now", key="chat_prepare", help="Prefill the document into both caches now")
+if c3.button("New chat", key="chat_reset"):
+    session.reset()
+
+
+def answer_caption(a: Answer) -> str:
+    parts = [f"{len(a.tokens)} tokens"]
+    if a.decode_tok_s:
+        parts.append(f"{a.decode_tok_s:.1f} tok/s")
+    if a.stopped in ("cancelled", "skipped"):
+        parts.append("stopped")
+    reused = a.prompt_tokens - a.fed_tokens
+    parts.append(f"read {a.fed_tokens:,} new tokens" + (f", {reused:,} from the cache" if reused > 0 else ""))
+    if a.cache_tokens:
+        parts.append(f"cache {common.mib(a.cache_bytes)} for {a.cache_tokens:,} tokens")
+    return " · ".join(parts)
+
+
+def show_answer(box, a: Answer, turn: Turn) -> None:
+    with box.container():
+        with st.chat_message("assistant"):
+            st.markdown(f"**{a.precision}**")
+            before, token, rest = divergence_split(a, turn.first_divergence, lm.tokenizer)
+            body = common.highlighted(before, token, rest) or "<i>(no answer)</i>"
+            st.markdown(body, unsafe_allow_html=True)
+            st.caption(answer_caption(a))
+
+
+def show_turn(turn: Turn, boxes: list | None = None) -> None:
+    if boxes is None:
+        with st.chat_message("user"):
+            st.markdown(turn.question)
+        boxes = [col.empty() for col in st.columns(len(turn.answers))]
+    for box, a in zip(boxes, turn.answers, strict=True):
+        show_answer(box, a, turn)
+    if turn.first_divergence is None:
+        same = all(a.tokens == turn.answers[0].tokens for a in turn.answers)
+        st.caption("Identical answers." if same else "No diverging token within the shorter answer.")
+    else:
+        st.caption(f"First diverging token: #{turn.first_divergence} (highlighted).")
+
+
+for past in session.turns:
+    show_turn(past)
+
+status = st.empty()
+progress = st.empty()
+
+
+def on_progress(label: str, done: int, total: int) -> None:
+    progress.progress(done / total if total else 1.0, text=f"{label}: reading {total:,} tokens")
+
+
+def on_wait(seconds: float) -> None:
+    status.info(f"Waiting for another user's generation to finish... {seconds:.0f} s", icon=":material/hourglass:")
+
+
+if read_now:
+    try:
+        fed = session.prepare(on_progress=on_progress, on_wait=on_wait)
+    except ChatError as err:
+        st.error(str(err))
+    except Cancelled:
+        st.info("Stopped.")
+    else:
+        status.success("Document read: " + ", ".join(f"{k} {v:,} tokens" for k, v in fed.items()))
+    progress.empty()
+
+question = st.chat_input("Ask about the document", key="chat_input", submit_mode="stop")
+if question:
+    with st.chat_message("user"):
+        st.markdown(question)
+    boxes = [col.empty() for col in st.columns(len(session.labels))]
+    streamed = dict.fromkeys(session.labels, "")
+    slots = dict(zip(session.labels, boxes, strict=True))
+
+    def on_token(label: str, token: int, piece: str) -> None:
+        status.empty()
+        progress.empty()
+        streamed[label] += piece
+        slots[label].markdown(f"**{label}**\n\n{html.escape(streamed[label])} ▌", unsafe_allow_html=True)
+
+    try:
+        turn = session.ask(question, max_new, on_token=on_token, on_progress=on_progress, on_wait=on_wait)
+    except ChatError as err:
+        status.error(f"{err}. Your chat and document are kept.")
+    except Cancelled:
+        status.info("Stopped while waiting for another user.")
+    except Exception as err:  # a bug, not the user's fault: one line, never a traceback; the chat is kept
+        status.error(f"Something went wrong: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    else:
+        status.empty()
+        progress.empty()
+        show_turn(turn, boxes)
+elif not session.turns:
+    st.info("Ask a question about the document below.")

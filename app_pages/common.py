@@ -1,0 +1,314 @@
+"""Streamlit helpers shared by every page: the sidebar (model, device, dtype, KV precision), the model
+status card, the current document (upload or bundled sample) and small display helpers.
+
+Layout only: loading, parsing, quantizing and generating all happen in `kvdemo`. Everything a
+session owns (its chat, its document, its precision) lives in `st.session_state`, so sessions never
+see each other's data; the loaded model is shared through `st.cache_resource` and guarded by its lock
+(`kvdemo.chat.model_lock`) for one generation at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import html
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
+
+import streamlit as st
+import torch
+
+from kvdemo.chat import model_lock, quantized_presets
+from kvdemo.models import DTYPES, LoadedModel, ModelLoadError, load_model
+from kvdemo.precision import (
+    DEFAULT_GROUP,
+    DEFAULT_RESIDUAL,
+    DEFAULT_SINKS,
+    GROUP_SIZES,
+    KEY_AXES,
+    PRESETS,
+    PrecisionSpec,
+)
+
+MODEL_KINDS = {"embedded": "Embedded (SmolLM2-135M)", "hf": "Hugging Face id", "folder": "Local folder"}
+DEVICES = ("auto", "cpu", "cuda")
+DTYPE_CHOICES = ("auto", *DTYPES)
+DEFAULT_PRESET = "int4"
+DEFAULT_MODEL_KEY = ("embedded", "auto", "auto")  # (source, device, dtype)
+CHAT_RESERVE = 1024  # tokens of the context kept free for the conversation when a document is fitted
+SAMPLE_TOKENS = 1024  # default length of the bundled sample document
+PERSISTED = "_persisted_widget_keys"
+DOC_TYPES = ["txt", "text", "md", "markdown", "pdf", "docx", "html", "htm"]
+
+
+# --- the model ------------------------------------------------------------------------------------
+@st.cache_resource(show_spinner=False, max_entries=2)
+def _load(source: str, device: str, dtype: str) -> LoadedModel:
+    """One LoadedModel per (source, device, dtype) for the whole server; failures are not cached."""
+    return load_model(source, device=device, dtype=dtype)
+
+
+def model() -> LoadedModel:
+    """The model this session uses (loaded once per server); stops the page with a message if it cannot load."""
+    key = st.session_state.setdefault("model_key", DEFAULT_MODEL_KEY)
+    try:
+        with st.spinner(f"Loading {key[0]} (the first load of the embedded model converts it, ~40 s)..."):
+            return _load(*key)
+    except ModelLoadError as err:
+        st.error(f"Model: {err}")
+        if key != DEFAULT_MODEL_KEY:
+            st.session_state["model_key"] = DEFAULT_MODEL_KEY
+            st.info("Switched back to the embedded model: reload the page.")
+        st.stop()
+
+
+def _model_section() -> None:
+    st.subheader("Model")
+    kind = st.radio(
+        "Source", list(MODEL_KINDS), format_func=MODEL_KINDS.get, key="model_kind", label_visibility="collapsed"
+    )
+    path = ""
+    if kind == "hf":
+        path = st.text_input("Model id", placeholder="HuggingFaceTB/SmolLM2-360M-Instruct", key="model_hf_id")
+    elif kind == "folder":
+        path = st.text_input("Folder with safetensors weights", placeholder="/models/my-llama", key="model_folder")
+    c1, c2 = st.columns(2)
+    device = c1.selectbox("Device", DEVICES, key="model_device")
+    dtype = c2.selectbox("Weights dtype", DTYPE_CHOICES, key="model_dtype")
+    if st.button("Load model", key="model_load", width="stretch"):
+        source = "embedded" if kind == "embedded" else path.strip()
+        if not source:
+            st.session_state["model_error"] = f"enter a {MODEL_KINDS[kind].lower()} first"
+        else:
+            try:
+                with st.spinner(f"Loading {source}..."):
+                    _load(source, device, dtype)
+            except ModelLoadError as err:
+                st.session_state["model_error"] = f"{err} (kept the previous model)"
+            else:
+                st.session_state["model_key"] = (source, device, dtype)
+                st.session_state.pop("model_error", None)
+    if st.session_state.get("model_error"):
+        st.error(st.session_state["model_error"])
+
+
+# --- the KV precision -----------------------------------------------------------------------------
+def _precision_section() -> None:
+    st.subheader("KV precision")
+    presets = quantized_presets()
+    st.selectbox(
+        "Compared with full precision",
+        presets,
+        index=presets.index(DEFAULT_PRESET),
+        key="kv_preset",
+        help="k8v4 = 8-bit keys, 4-bit values. fp8 = e4m3 with a scale per group.",
+    )
+    with st.expander("Advanced", expanded=False):
+        st.selectbox("Group size", GROUP_SIZES, index=GROUP_SIZES.index(DEFAULT_GROUP), key="kv_group")
+        st.radio(
+            "Key groups", KEY_AXES, key="kv_key_axis", horizontal=True, help="channel: KIVI/KVQuant per-channel keys"
+        )
+        st.number_input(
+            "Residual (full-precision newest tokens)", 0, 8192, DEFAULT_RESIDUAL, step=16, key="kv_residual"
+        )
+        st.number_input("Sink tokens (full precision)", 0, 255, DEFAULT_SINKS, step=1, key="kv_sinks")
+    try:
+        spec = replace(
+            PRESETS[st.session_state["kv_preset"]],
+            group_size=int(st.session_state["kv_group"]),
+            key_axis=st.session_state["kv_key_axis"],
+            residual=int(st.session_state["kv_residual"]),
+            sinks=int(st.session_state["kv_sinks"]),
+        )
+    except ValueError as err:
+        prev = st.session_state.get("spec", PRESETS[DEFAULT_PRESET])
+        st.error(f"{err}. Still using {prev.label}.")
+        st.session_state.setdefault("spec", prev)
+        return
+    st.session_state["spec"] = spec
+
+
+def spec() -> PrecisionSpec:
+    """The KV precision this session compares with full precision."""
+    return st.session_state.get("spec", PRESETS[DEFAULT_PRESET])
+
+
+def bytes_per_token(lm: LoadedModel, precision: PrecisionSpec, full_bits: int = 16) -> float:
+    """KV bytes per token in the quantized region (2 x layers x kv_heads x head_dim x bits / 8)."""
+    bits = precision.bits_per_element(lm.head_dim, full_bits=full_bits)["mean"]
+    return lm.kv_bytes_per_token(bits / 8)
+
+
+def _status_card(lm: LoadedModel) -> None:
+    s = spec()
+    fp16 = lm.kv_bytes_per_token(2)
+    quant = bytes_per_token(lm, s)
+    with st.container(border=True, key="model_status"):
+        st.markdown(f"**{lm.name}**")
+        st.caption(
+            f"{lm.num_layers} layers · {lm.kv_heads} kv heads · head_dim {lm.head_dim} · "
+            f"context {lm.max_context:,} · {lm.device.type} · {str(lm.dtype).replace('torch.', '')} · "
+            f"weights {lm.weight_bytes() / 2**20:,.0f} MiB"
+        )
+        st.markdown(
+            f"KV cache: **{fp16:,.0f} B/token** at 16 bit, **{quant:,.0f} B/token** at {s.label} "
+            f"({fp16 / quant:.2f}x smaller)"
+        )
+
+
+def sidebar() -> LoadedModel:
+    """Draw the sidebar on every page; returns the session's model."""
+    _keep_persisted()
+    with st.sidebar:
+        _model_section()
+        _precision_section()
+        lm = model()
+        _status_card(lm)
+    return lm
+
+
+# --- session state --------------------------------------------------------------------------------
+def persist(key: str, default):
+    """A page widget's value that survives visits to other pages: create the widget with `key=key` and no
+    default of its own. Streamlit drops the state of widgets a run does not draw; `sidebar()` (every run)
+    re-assigns the keys registered here, which keeps them."""
+    st.session_state.setdefault(PERSISTED, set()).add(key)
+    st.session_state[key] = st.session_state[key] if key in st.session_state else default
+    return st.session_state[key]
+
+
+def _keep_persisted() -> None:
+    for key in st.session_state.get(PERSISTED, ()):
+        if key in st.session_state:
+            st.session_state[key] = st.session_state[key]
+
+
+# --- the current document -------------------------------------------------------------------------
+def document() -> dict | None:
+    """The session's current document: {name, text, tokens, truncated, warnings, source}, or None."""
+    return st.session_state.get("document")
+
+
+def _set_document(name: str, text: str, lm: LoadedModel, budget: int, source: str, warnings: list[str]) -> None:
+    from kvdemo.documents import fit_to_context
+
+    fitted, tokens, cut = fit_to_context(text, lm.tokenizer, budget)
+    st.session_state["document"] = {
+        "name": name,
+        "text": fitted,
+        "tokens": tokens,
+        "truncated": cut,
+        "budget": budget,
+        "warnings": list(warnings),
+        "source": source,
+        "model": lm.name,
+    }
+
+
+def document_picker(lm: LoadedModel, key: str = "doc") -> dict | None:
+    """Upload a txt/md/pdf/docx/html file or use the bundled sample; keeps the last good document on errors."""
+    from kvdemo.documents import DocumentError, extract_bytes
+
+    budget = max(lm.max_context - CHAT_RESERVE, 256)
+    persist(f"{key}_source", "sample")
+    if persist(f"{key}_sample_tokens", min(SAMPLE_TOKENS, budget)) > budget:  # a model with a shorter context
+        st.session_state[f"{key}_sample_tokens"] = budget
+    source = st.radio(
+        "Document", ["sample", "upload"], key=f"{key}_source", horizontal=True,
+        format_func={"sample": "Bundled sample (Pride and Prejudice)", "upload": "Upload a file"}.get,
+    )  # fmt: skip
+    current = document()
+    if source == "sample":
+        n = st.number_input("Sample length (tokens)", 32, budget, step=64, key=f"{key}_sample_tokens")
+        name = f"Pride and Prejudice (first {int(n):,} tokens)"
+        if current is None or current["source"] != "sample" or current["name"] != name or current["model"] != lm.name:
+            from kvdemo.texts import prose
+
+            _set_document(name, prose(), lm, int(n), "sample", [])
+    else:
+        up = st.file_uploader("txt, md, pdf, docx or html", type=DOC_TYPES, key=f"{key}_upload")
+        if up is not None and up.file_id != st.session_state.get("doc_upload_id"):
+            st.session_state["doc_upload_id"] = up.file_id
+            st.session_state.pop("doc_error", None)
+            try:
+                parsed = extract_bytes(up.getvalue(), up.name)
+                if not parsed.text.strip():
+                    raise DocumentError("no text found in the file")
+                _set_document(parsed.name, parsed.text, lm, budget, "upload", parsed.warnings)
+            except DocumentError as err:
+                st.session_state["doc_error"] = f"{up.name}: {err}"
+        if up is None:
+            st.session_state.pop("doc_upload_id", None)
+            st.session_state.pop("doc_error", None)
+        if st.session_state.get("doc_error"):
+            st.error(st.session_state["doc_error"] + (" (kept the previous document)" if document() else ""))
+        elif up is None and current is not None:
+            st.caption(f"No file uploaded yet: using {current['name']}.")
+    doc = document()
+    if doc is not None:
+        _document_notes(doc, lm)
+    return doc
+
+
+def _document_notes(doc: dict, lm: LoadedModel) -> None:
+    for w in doc["warnings"]:
+        st.warning(w)
+    if doc["truncated"] and doc["source"] == "upload":
+        st.warning(
+            f"The document is longer than fits: cut to its first {doc['tokens']:,} tokens (the model's context is "
+            f"{lm.max_context:,} tokens, {lm.max_context - doc['budget']:,} kept for the conversation)."
+        )
+    st.caption(f"**{doc['name']}**: {doc['tokens']:,} tokens, {len(doc['text']):,} characters")
+
+
+# --- running model work -------------------------------------------------------------------------
+T = TypeVar("T")
+OOM_HINT = "out of memory: try fewer tokens, a shorter document or a lower KV precision (int4, int2)"
+
+
+def run_exclusive(lm: LoadedModel, work: Callable[[], T], status=None) -> T | None:
+    """Run `work()` holding the model's lock (one generation at a time for all sessions).
+
+    Shows "waiting for another user" in `status` while queued; a `ValueError` (bad settings) or out of
+    memory becomes an `st.error` line and returns None, so the page keeps serving.
+    """
+    status = status if status is not None else st.empty()
+
+    def waiting(seconds: float) -> None:
+        status.info(f"Waiting for another user's run to finish... {seconds:.0f} s", icon=":material/hourglass:")
+
+    try:
+        with model_lock(lm, on_wait=waiting):
+            status.empty()
+            return work()
+    except (torch.OutOfMemoryError, MemoryError):
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        status.error(OOM_HINT)
+    except ValueError as err:  # ModelLoadError, DocumentError, HeadroomError, bad precision strings
+        status.error(str(err))
+    return None
+
+
+def precision_choices(extra: list[str] | None = None) -> list[str]:
+    """Preset names plus the sidebar's precision (if it is not a preset), for multiselects."""
+    names = ["full", *quantized_presets()]
+    current = spec().label
+    for label in [current, *(extra or [])]:
+        if label not in names:
+            names.append(label)
+    return names
+
+
+# --- display --------------------------------------------------------------------------------------
+def highlighted(before: str, diverged: str, rest: str) -> str:
+    """HTML (escaped) of an answer with its first diverging token marked."""
+    out = html.escape(before)
+    if diverged:
+        out += f'<mark style="background:#ffb3b3" title="first token that differs from full precision">{html.escape(diverged)}</mark>'
+    return (out + html.escape(rest)).replace("\n", "<br>")
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"

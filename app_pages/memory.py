@@ -1,0 +1,193 @@
+"""Memory & headroom: live cache bytes of the loaded model next to the formula, and how many sequences
+fit on a GPU at each KV precision (`kvdemo.memory.headroom`), with the nearest production settings
+(`kvdemo.production`) and, when present, the benchmark report (reports/bench.json)."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from app_pages import common
+from kvdemo import bench, figures
+from kvdemo.memory import (
+    WEIGHT_BITS,
+    compare_measured,
+    config_from_model,
+    get_gpu,
+    get_model_config,
+    gpu_presets,
+    headroom,
+    model_configs,
+)
+from kvdemo.precision import parse_precision_list
+
+REPORTS_DIR = Path(__file__).resolve().parent.parent / "reports"
+DEFAULT_PRECISIONS = ["full", "fp8", "int8", "k8v4", "int4", "int2"]
+
+lm = common.model()
+spec = common.spec()
+st.title("Memory & headroom")
+
+# --- headroom: formulas, instant ------------------------------------------------------------------
+st.subheader("How many sequences fit on a GPU")
+configs = ["loaded", *model_configs()]
+gpus = list(gpu_presets())
+defaults = {
+    "hr_model": "llama-3.1-8b",
+    "hr_gpu": "h100-80gb",
+    "hr_gpus": 1,
+    "hr_wbits": 16,
+    "hr_context": 32768,
+    "hr_users": 1,
+    "hr_reserve": 0.0,
+    "hr_custom": False,
+    "hr_custom_gb": 48.0,
+}
+for key, value in defaults.items():
+    common.persist(key, value)
+choices = common.precision_choices()
+wanted = common.persist("hr_precisions", list(dict.fromkeys([*DEFAULT_PRECISIONS, spec.label])))
+st.session_state["hr_precisions"] = [p for p in wanted if p in choices]
+c1, c2, c3, c4 = st.columns(4)
+cfg_name = c1.selectbox(
+    "Model config",
+    configs,
+    key="hr_model",
+    format_func=lambda n: f"loaded: {lm.name}" if n == "loaded" else model_configs()[n].display_name,
+)
+gpu_name = c2.selectbox("GPU", gpus, key="hr_gpu", format_func=lambda n: gpu_presets()[n].display_name)
+n_gpus = int(c3.number_input("GPUs (tensor parallel)", 1, 64, key="hr_gpus"))
+weight_bits = c4.selectbox("Weight bits", WEIGHT_BITS, key="hr_wbits")
+c1, c2, c3, c4 = st.columns(4)
+context = int(c1.number_input("Context per sequence (tokens)", 1, 10_000_000, step=1024, key="hr_context"))
+users = int(c2.number_input("Users (for max context each)", 1, 100_000, key="hr_users"))
+reserve = c3.number_input(
+    "Reserve (GB, 0 = 10% of the GPU)", 0.0, 10_000.0, step=1.0, key="hr_reserve",
+    help="memory kept for activations and the runtime",
+)  # fmt: skip
+custom = c4.checkbox("Custom GPU size", key="hr_custom")
+custom_gb = c4.number_input("GB per GPU", 1.0, 10_000.0, key="hr_custom_gb", disabled=not custom)
+specs_picked = st.multiselect("KV precisions", choices, key="hr_precisions")
+
+out = None
+try:
+    if not specs_picked:
+        raise ValueError("pick at least one KV precision")
+    cfg = config_from_model(lm) if cfg_name == "loaded" else get_model_config(cfg_name)
+    gpu = get_gpu(gpu_name, custom_gb if custom else None)
+    out = headroom(
+        cfg,
+        gpu,
+        parse_precision_list(",".join(specs_picked)),
+        context=context,
+        gpus=n_gpus,
+        users=users,
+        weight_bits=int(weight_bits),
+        reserve_gb=reserve or None,
+    )
+except ValueError as err:
+    st.error(str(err))
+
+if out is not None:
+    for w in out["warnings"]:
+        st.warning(w)
+    if not out["fits"]:
+        st.error("The weights and the reserve alone do not fit on this GPU budget.")
+    rows = []
+    for label, n in out["max_sequences"].items():
+        ratio = out["sequences_vs_16bit"][label]
+        rows.append(
+            {
+                "precision": label,
+                "bits K / V": "{key:.3g} / {value:.3g}".format(**out["bits_per_element"][label]),
+                "bytes/token": out["bytes_per_token"][label],
+                "GB per sequence": out["sequence_bytes"][label] / 1e9,
+                "max sequences": n,
+                "vs 16-bit": f"{ratio:.2f}x" if ratio is not None else "-",
+                f"max context for {users} user(s)": out["max_context_for_users"][label],
+            }
+        )
+    st.dataframe(pd.DataFrame(rows), hide_index=True, key="hr_table")
+    c1, c2 = st.columns(2)
+    c1.plotly_chart(figures.headroom_concurrency_figure(out), key="hr_concurrency")
+    c2.plotly_chart(figures.headroom_memory_figure(out), key="hr_curve")
+    c1, c2 = st.columns(2)
+    c1.plotly_chart(figures.headroom_split_figure(out), key="hr_split")
+    c2.plotly_chart(figures.headroom_stacking_figure(out), key="hr_stacking")
+    st.download_button(
+        "Download JSON", json.dumps(out, indent=2, default=str), "headroom.json", "application/json", key="hr_json"
+    )
+
+    st.subheader(f"Take {spec.label} to production")
+    from kvdemo.production import production_settings
+
+    prod = production_settings(spec, out["model"]["head_dim"])
+    for engine in ("vllm", "llama.cpp", "transformers"):
+        e = prod[engine]
+        with st.container(border=True):
+            st.markdown(f"**{engine}** ({e['match']} match, {e['bits_per_element']['key']:.3g} / "
+                        f"{e['bits_per_element']['value']:.3g} bits K / V)")  # fmt: skip
+            st.code(e["setting"], language="bash")
+            for gap in e["cannot_express"]:
+                st.caption(f"cannot express: {gap}")
+            for note in e["notes"]:
+                st.caption(note)
+
+# --- measured on the loaded model -----------------------------------------------------------------
+st.subheader(f"Measured: the live cache of {lm.name}")
+common.persist("mem_tokens", min(1024, lm.max_context))
+wanted = common.persist("mem_precisions", list(dict.fromkeys(["full", "int8", spec.label])))
+st.session_state["mem_precisions"] = [p for p in wanted if p in choices]
+c1, c2 = st.columns([1, 3])
+tokens = int(c1.number_input("Tokens of prose", 16, lm.max_context, step=64, key="mem_tokens"))
+measure_specs = c2.multiselect("Precisions to measure", choices, key="mem_precisions")
+if st.button("Measure", key="mem_run", type="primary"):
+    if not measure_specs:
+        st.error("pick at least one precision")
+    else:
+        from kvdemo.texts import prose_ids
+
+        status = st.empty()
+        result = common.run_exclusive(
+            lm,
+            lambda: compare_measured(lm, prose_ids(lm, tokens), parse_precision_list(",".join(measure_specs))),
+            status,
+        )
+        if result is not None:
+            st.session_state["mem_result"] = result
+measured = st.session_state.get("mem_result")
+if measured is not None:
+    st.caption(
+        f"{measured['tokens']:,} tokens in {measured['dtype']}; ratios against a 16-bit cache of the same tokens"
+    )
+    rows = [
+        {
+            "precision": r["precision"],
+            "live MiB": r["bytes"] / 2**20,
+            "formula MiB": r["formula_bytes"] / 2**20,
+            "live vs formula": f"{100 * r['error_vs_formula']:+.3f}%",
+            "x smaller than 16-bit": r["ratio_vs_fp16"],
+            "bytes/token": r["bytes_per_token"],
+            "bits/element": r["bits_per_element"],
+            "residual MiB": r["breakdown"]["residual"] / 2**20,
+        }
+        for r in measured["results"]
+    ]
+    frame = pd.DataFrame(rows)
+    st.dataframe(frame, hide_index=True, key="mem_table")
+    st.bar_chart(frame, x="precision", y="live MiB")
+
+# --- the benchmark report ------------------------------------------------------------------------
+st.subheader("Benchmark: kvdemo vs transformers' QuantizedCache")
+report = bench.load_report(REPORTS_DIR)
+if report is None:
+    st.info("No benchmark report yet: run `python -m kvdemo bench` to write reports/bench.json.")
+else:
+    try:
+        st.markdown(bench.markdown_table(report))
+        for i, fig in enumerate(figures.bench_figures(report)):
+            st.plotly_chart(fig, key=f"bench_fig_{i}")
+    except (KeyError, TypeError, ValueError, IndexError) as err:  # a report from another kvdemo version
+        st.warning(f"reports/bench.json has an unexpected layout ({type(err).__name__}: {err}); raw content below.")
+        st.json(report, expanded=False)

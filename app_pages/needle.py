@@ -1,0 +1,171 @@
+"""Needle in a haystack: a grid of prompt lengths x needle depths, full precision beside each quantized
+precision on the same tokens; heatmaps, the change vs full precision, a table of answers, CSV/JSON.
+The work is `kvdemo.needle.run_grid`; figures come from `kvdemo.figures`."""
+
+import csv
+import io
+import json
+
+import pandas as pd
+import streamlit as st
+
+from app_pages import common
+from kvdemo import figures
+from kvdemo.needle import CSV_COLUMNS, KINDS, NeedleError, run_grid, summarize
+
+lm = common.model()
+st.title("Needle in a haystack")
+st.caption(
+    "A fact is hidden at a chosen depth of a long text; the model is asked for it. Each cell runs once at "
+    "full precision and once per quantized precision, on exactly the same tokens. Scored by exact match and "
+    "by the teacher-forced log-probability of the true answer (continuous: it moves before a pass turns "
+    "into a miss). The embedded model is a weak retriever: always read the full-precision row first."
+)
+
+
+def numbers(text: str, what: str, cast) -> list:
+    try:
+        values = [cast(t) for t in text.replace(";", ",").split(",") if t.strip()]
+    except ValueError:
+        raise NeedleError(f"{what}: give comma-separated numbers, e.g. 512,1024") from None
+    if not values:
+        raise NeedleError(f"{what}: give at least one number")
+    return list(dict.fromkeys(values))
+
+
+doc = common.document()
+haystacks = ["default", "document"] if doc else ["default"]
+defaults = {
+    "needle_kind": "passkey",
+    "needle_haystack": "default",
+    "needle_lengths": "512,1024",
+    "needle_depths": "0,50,100",
+    "needle_seed": 0,
+    "needle_text": "The secret ingredient of the soup is cardamom.",
+    "needle_question": "What is the secret ingredient of the soup?",
+    "needle_answer": "cardamom",
+}
+for key, value in defaults.items():
+    common.persist(key, value)
+if st.session_state["needle_haystack"] not in haystacks:
+    st.session_state["needle_haystack"] = "default"
+choices = common.precision_choices(["int8", "int2"])
+wanted = common.persist("needle_precisions", list(dict.fromkeys(["full", "int8", common.spec().label, "int2"])))
+st.session_state["needle_precisions"] = [p for p in wanted if p in choices]
+
+c1, c2 = st.columns(2)
+kind = c1.radio("Needle", KINDS, key="needle_kind", horizontal=True)
+hay = c2.radio(
+    "Haystack",
+    haystacks,
+    key="needle_haystack",
+    horizontal=True,
+    format_func=lambda h: f"Your document: {doc['name']}" if h == "document" else "Built in (filler / prose)",
+)
+if not doc:
+    c2.caption("Choose or upload a document on the Chat page to hide the needle inside it.")
+if kind == "custom":
+    st.text_input("Needle sentence", key="needle_text")
+    c1, c2 = st.columns(2)
+    c1.text_input("Question", key="needle_question")
+    c2.text_input("Expected answer (must appear in the needle)", key="needle_answer")
+c1, c2, c3 = st.columns([2, 2, 1])
+c1.text_input("Prompt lengths (tokens)", key="needle_lengths", help=f"comma-separated, up to ~{lm.max_context - 32}")
+c2.text_input("Depths (% of the haystack)", key="needle_depths", help="comma-separated, 0 = start, 100 = end")
+c3.number_input("Seed", 0, 1_000_000, key="needle_seed")
+picked = st.multiselect("Precisions (full precision is always included)", choices, key="needle_precisions")
+
+c1, c2 = st.columns([1, 5])
+run = c1.button("Run grid", key="needle_run", type="primary")
+c2.button("Cancel", key="needle_cancel", help="Stops the grid; the cells finished so far are kept")
+
+partial = st.session_state.get("needle_partial")
+if st.session_state.get("needle_cancel") and partial and partial["rows"]:  # a run interrupted by Cancel
+    done = partial["meta"] | {"rows": partial["rows"], "summary": summarize(partial["rows"]), "stopped": "cancelled"}
+    st.session_state["needle_result"] = done
+    st.session_state.pop("needle_partial", None)
+    st.info(f"Cancelled: kept the {len(partial['rows'])} runs finished so far.")
+
+if run:
+    status = st.empty()
+    try:
+        lengths = numbers(st.session_state["needle_lengths"], "lengths", int)
+        depths = numbers(st.session_state["needle_depths"], "depths", float)
+        if not picked:
+            raise NeedleError("pick at least one precision")
+    except NeedleError as err:
+        status.error(str(err))
+    else:
+        custom = kind == "custom"
+        use_doc = hay == "document" and doc is not None
+        meta = {
+            "model": lm.name,
+            "kind": kind,
+            "haystack": doc["name"] if use_doc else "built in",
+            "seed": int(st.session_state["needle_seed"]),
+            "lengths": lengths,
+            "depths": depths,
+            "precisions": list(dict.fromkeys(["full", *picked])),
+            "seconds": 0.0,
+            "notes": [],
+        }
+        st.session_state["needle_partial"] = {"meta": meta, "rows": []}
+
+        def work():
+            bar = st.progress(0.0, text="starting...")
+
+            def progress(done: int, total: int, row) -> None:
+                st.session_state["needle_partial"]["rows"].append(row.to_dict())
+                mark = "found" if row.correct else "missed"
+                bar.progress(done / total, text=f"{done}/{total}: {row.precision} at {row.length} tokens, "
+                             f"depth {row.depth:g}%: {mark}")  # fmt: skip
+
+            result = run_grid(
+                lm,
+                lengths,
+                depths,
+                meta["precisions"],
+                kind=kind,
+                document=doc["text"] if use_doc else None,
+                document_name=doc["name"] if use_doc else "document",
+                needle=st.session_state["needle_text"] if custom else "",
+                question=st.session_state["needle_question"] if custom else "",
+                answer=st.session_state["needle_answer"] if custom else "",
+                seed=meta["seed"],
+                on_progress=progress,
+            )
+            bar.empty()
+            return result.to_dict()
+
+        out = common.run_exclusive(lm, work, status)
+        st.session_state.pop("needle_partial", None)
+        if out is not None:
+            st.session_state["needle_result"] = out
+
+out = st.session_state.get("needle_result")
+if out is None:
+    st.info("Set the grid and press **Run grid** (each cell of 1k tokens takes a few seconds per precision on CPU).")
+    st.stop()
+
+st.subheader(f"{out['kind']} needle in {out['haystack']}: {len(out['rows'])} runs")
+for note in out.get("notes", []):
+    st.caption(note)
+summary = pd.DataFrame(out["summary"])
+st.dataframe(summary, hide_index=True, key="needle_summary")
+st.plotly_chart(figures.needle_heatmap_figure(out), key="needle_heatmap")
+precisions = list(dict.fromkeys(r["precision"] for r in out["rows"]))
+if "full" in precisions and len(precisions) > 1:
+    st.plotly_chart(figures.needle_difference_figure(out), key="needle_difference")
+st.plotly_chart(figures.needle_logprob_figure(out), key="needle_logprob")
+st.markdown("**Answers**")
+table = pd.DataFrame(out["rows"])[
+    ["length", "depth", "precision", "correct", "answer", "expected", "answer_logprob", "depth_actual", "prompt_tokens"]
+]
+st.dataframe(table, hide_index=True, key="needle_answers")
+buf = io.StringIO()
+writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+writer.writeheader()
+writer.writerows(out["rows"])
+c1, c2 = st.columns(2)
+c1.download_button("Download CSV", buf.getvalue(), "needle.csv", "text/csv", key="needle_csv")
+c2.download_button("Download JSON", json.dumps(out, indent=2), "needle.json", "application/json", key="needle_json")

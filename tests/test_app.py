@@ -1,0 +1,315 @@
+"""The Streamlit app under `streamlit.testing.v1.AppTest` (headless, the embedded model, small sizes):
+every page renders, a chat turn gives two answers and reuses its caches, a small needle grid draws its
+heatmaps, bad uploads / settings / model folders show a message and keep what the user had, injected
+out-of-memory and Stop keep the app serving, and four sessions at once queue on one model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+from streamlit.testing.v1 import AppTest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT = 300  # seconds per script run: model work on 2 busy CPU cores
+NOTES = (
+    "Meeting notes. The budget review is on Tuesday at 10 in room 4. Anna presents the travel costs, "
+    "which rose by 12 percent. Ben asks for a new laptop. The next review is in March."
+)
+PAGES = ["app_pages/chat.py", "app_pages/needle.py", "app_pages/memory.py", "app_pages/drift.py"]
+
+pytestmark = pytest.mark.model
+
+
+def app_model():
+    """The model the app's sessions share (st.cache_resource): for its lock."""
+    from app_pages.common import DEFAULT_MODEL_KEY, _load
+
+    return _load(*DEFAULT_MODEL_KEY)
+
+
+def start(page: str | None = None) -> AppTest:
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=RUN_TIMEOUT)
+    at.run()
+    assert not at.exception, at.exception
+    if page:
+        at.switch_page(page).run()
+        assert not at.exception, at.exception
+    return at
+
+
+def texts(at: AppTest, kind: str) -> list[str]:
+    return [e.value for e in at.get(kind)]
+
+
+def upload(at: AppTest, name: str, data: bytes) -> AppTest:
+    if at.radio(key="doc_source").value != "upload":
+        at.radio(key="doc_source").set_value("upload").run()
+    at.file_uploader(key="doc_upload").set_value((name, data, "application/octet-stream")).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def ask(at: AppTest, question: str) -> AppTest:
+    at.chat_input(key="chat_input").set_value(question).run()
+    assert not at.exception, at.exception
+    return at
+
+
+def chat_app(max_new: int = 4, doc: bytes = NOTES.encode()) -> AppTest:
+    at = start("app_pages/chat.py")
+    at.number_input(key="chat_max_new").set_value(max_new)
+    return upload(at, "notes.txt", doc)
+
+
+def answer_labels(at: AppTest) -> list[str]:
+    return [m for m in texts(at, "markdown") if m in ("**full**", "**int4**", "**int8**")]
+
+
+# --- pages ---------------------------------------------------------------------------------------
+def test_every_page_renders_with_sidebar_and_status_card():
+    at = start()
+    assert "kvdemo" in at.title[0].value
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["KV bytes/token at 16 bit"] == "23,040 B"  # 2 x 30 layers x 3 heads x 64 x 2 bytes
+    assert (
+        metrics["KV bytes/token at int4"] == "6,300 B"
+    )  # int4: keys 4 + 32/128 bits, values 4 + 32/64 (groups of min(128, head_dim))
+    for page in PAGES:
+        at.switch_page(page).run()
+        assert not at.exception, (page, at.exception)
+        assert not at.error, (page, [e.value for e in at.error])
+        sidebar = " ".join(m.value for m in at.sidebar.markdown)
+        assert "SmolLM2-135M-Instruct" in sidebar and "B/token" in sidebar, page
+
+
+def test_precision_change_updates_live_number_and_bad_settings_are_rejected():
+    at = start()
+    at.sidebar.selectbox(key="kv_preset").set_value("int2").run()  # keys 2.25 bits, values 2.5: 11,520 x 2.375 / 8
+    assert {m.label: m.value for m in at.metric}["KV bytes/token at int2"] == "3,420 B"
+    at.sidebar.number_input(key="kv_residual").set_value(100).run()  # not a multiple of the group (128)
+    assert not at.exception
+    (err,) = [e.value for e in at.sidebar.error]
+    assert "multiple of the group size" in err and "Still using int2" in err
+    assert {m.label: m.value for m in at.metric}["KV bytes/token at int2"] == "3,420 B"
+
+
+def test_model_load_failure_keeps_previous_model(tmp_path):
+    at = start()
+    at.sidebar.radio(key="model_kind").set_value("folder").run()
+    at.sidebar.text_input(key="model_folder").set_value(str(tmp_path / "missing")).run()
+    at.sidebar.button(key="model_load").click().run()
+    assert not at.exception
+    assert any("model folder not found" in e.value and "kept the previous model" in e.value for e in at.sidebar.error)
+    vit = tmp_path / "vit"
+    vit.mkdir()
+    (vit / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 32}))
+    (vit / "model.safetensors").write_bytes(b"")
+    at.sidebar.text_input(key="model_folder").set_value(str(vit)).run()
+    at.sidebar.button(key="model_load").click().run()
+    assert any("not a causal language model" in e.value for e in at.sidebar.error)
+    assert at.session_state["model_key"] == ("embedded", "auto", "auto")
+    assert "SmolLM2-135M-Instruct" in " ".join(m.value for m in at.sidebar.markdown)
+
+
+# --- chat ----------------------------------------------------------------------------------------
+def test_chat_turn_gives_two_answers_and_followup_reuses_caches():
+    at = chat_app()
+    assert any("notes.txt" in c for c in texts(at, "caption"))
+    ask(at, "When is the budget review?")
+    assert answer_labels(at) == ["**full**", "**int4**"]
+    first = [c for c in texts(at, "caption") if "new tokens" in c]
+    assert len(first) == 2 and all("cache " in c and "MiB" in c for c in first), first
+    ask(at, "Who presents the travel costs?")
+    assert answer_labels(at) == ["**full**", "**int4**"] * 2  # the first turn is still shown
+    captions = texts(at, "caption")
+    reused = [c for c in captions if "from the cache" in c]
+    assert len(reused) == 2, captions  # both precisions fed only the follow-up's tokens
+    at.run()  # a plain rerun (any widget change) keeps the chat
+    assert answer_labels(at) == ["**full**", "**int4**"] * 2
+    at.switch_page("app_pages/memory.py").run()
+    at.switch_page("app_pages/chat.py").run()  # another page and back: chat, document and settings kept
+    assert answer_labels(at) == ["**full**", "**int4**"] * 2
+    assert at.session_state["document"]["name"] == "notes.txt"
+    assert at.number_input(key="chat_max_new").value == 4 and at.radio(key="doc_source").value == "upload"
+    session = at.session_state["chat_session"]
+    assert [t.question for t in session.turns] == ["When is the budget review?", "Who presents the travel costs?"]
+    assert all(0 < a.fed_tokens < 40 for a in session.turns[1].answers)
+
+
+def test_out_of_memory_in_chat_shows_hint_and_keeps_chat(monkeypatch):
+    import kvdemo.chat as chat
+
+    at = chat_app()
+    ask(at, "When is the budget review?")
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(chat, "prefill", oom)
+    ask(at, "Who asks for a laptop?")
+    errors = [e.value for e in at.error]
+    assert any("out of memory" in e and "lower KV precision" in e and "chat and document are kept" in e for e in errors)
+    assert answer_labels(at) == ["**full**", "**int4**"]  # the earlier turn is still there
+    assert not app_model().lock.locked()
+    monkeypatch.undo()
+    ask(at, "Who asks for a laptop?")
+    assert not at.error and answer_labels(at) == ["**full**", "**int4**"] * 2
+
+
+def test_stop_mid_answer_releases_lock_and_next_turn_works(monkeypatch):
+    import kvdemo.chat as chat
+
+    at = chat_app(max_new=6)
+    real = chat.generate
+
+    def stopped(lm, cache, logits, max_new_tokens, on_token=None, should_stop=None, keep_logits=False):
+        def token_then_stop(token, piece):
+            on_token(token, piece)
+            raise StopException()  # what Streamlit raises in the script when the user clicks Stop
+
+        return real(lm, cache, logits, max_new_tokens, token_then_stop, should_stop, keep_logits)
+
+    monkeypatch.setattr(chat, "generate", stopped)
+    ask(at, "When is the budget review?")
+    assert not app_model().lock.locked()
+    monkeypatch.undo()
+    at.run()
+    assert answer_labels(at) == ["**full**", "**int4**"]  # the stopped turn is kept, marked
+    assert any("stopped" in c for c in texts(at, "caption"))
+    ask(at, "Who presents the travel costs?")
+    assert not at.error
+    assert answer_labels(at) == ["**full**", "**int4**"] * 2
+    turn = at.session_state["chat_session"].turns[-1]
+    assert all(a.stopped in ("eos", "length") for a in turn.answers)
+
+
+# --- uploads -------------------------------------------------------------------------------------
+def test_upload_errors_are_shown_and_the_document_is_kept():
+    at = chat_app()
+    for name, data, words in [
+        ("empty.txt", b"", "empty file"),
+        ("scan.pdf", b"%PDF-1.4 truncated \x00\x01\x02", "scan.pdf"),
+        ("noise.txt", bytes(range(256)) * 8, "noise.txt"),
+        ("report.docx", b"PK\x03\x04 not really a docx", "report.docx"),
+        ("tool.exe", b"MZ\x90\x00", ".exe"),
+    ]:
+        upload(at, name, data)
+        errors = [e.value for e in at.error]
+        assert len(errors) == 1 and words in errors[0] and "kept the previous document" in errors[0], (name, errors)
+        assert not at.exception
+        assert at.session_state["document"]["name"] == "notes.txt"
+    upload(at, "long.txt", (NOTES + "\n\n").encode() * 400)  # ~28k tokens: far beyond the 8k context
+    assert not at.error
+    notice = [w.value for w in at.warning if "longer than fits" in w.value]
+    assert notice and "8,192 tokens" in notice[0]
+    doc = at.session_state["document"]
+    assert doc["name"] == "long.txt" and doc["truncated"] and doc["tokens"] <= 8192 - 1024
+
+
+# --- needle, drift, memory -----------------------------------------------------------------------
+def test_small_needle_grid_draws_heatmaps_and_table():
+    at = start("app_pages/needle.py")
+    at.text_input(key="needle_lengths").set_value("160")
+    at.text_input(key="needle_depths").set_value("50")
+    at.multiselect(key="needle_precisions").set_value(["full", "int4"])
+    at.button(key="needle_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    charts = at.get("plotly_chart")
+    assert len(charts) == 3  # pass/fail heatmap, change vs full, log-prob vs length
+    heat = json.loads(charts[0].proto.spec)
+    assert [t["type"] for t in heat["data"]] == ["heatmap", "heatmap"]
+    result = at.session_state["needle_result"]
+    assert len(result["rows"]) == 2 and {r["precision"] for r in result["rows"]} == {"full", "int4"}
+    assert len(at.get("download_button")) == 2
+
+
+def test_needle_bad_settings_and_oom_show_messages(monkeypatch):
+    import kvdemo.needle as needle
+
+    at = start("app_pages/needle.py")
+    at.text_input(key="needle_lengths").set_value("160, lots")
+    at.button(key="needle_run").click().run()
+    assert any("comma-separated numbers" in e.value for e in at.error)
+    at.text_input(key="needle_lengths").set_value("99999")
+    at.button(key="needle_run").click().run()
+    assert any("must fit the model's context" in e.value for e in at.error)
+
+    def oom(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(needle, "run_grid", oom)
+    at.text_input(key="needle_lengths").set_value("160")
+    at.button(key="needle_run").click().run()
+    assert not at.exception
+    assert any("out of memory" in e.value and "lower KV precision" in e.value for e in at.error)
+    assert not app_model().lock.locked()
+
+
+def test_drift_page_runs_on_the_current_document():
+    at = chat_app()
+    at.sidebar.selectbox(key="kv_group").set_value(16)
+    at.sidebar.number_input(key="kv_residual").set_value(16).run()  # quantize all but the newest 16 tokens
+    assert at.session_state["spec"].label == "int4:g16:r16"
+    at.switch_page("app_pages/drift.py").run()
+    assert at.radio(key="drift_source").value == "document"
+    at.number_input(key="drift_tokens").set_value(64)
+    at.number_input(key="drift_new_tokens").set_value(2)
+    at.multiselect(key="drift_precisions").set_value(["int4:g16:r16", "int8"])
+    at.button(key="drift_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    out = at.session_state["drift_result"]
+    assert out["document"] == "notes.txt" and [r["precision"] for r in out["results"]] == ["int4:g16:r16", "int8"]
+    low, int8 = out["results"]
+    assert low["mean_js"] > 0  # the document's tokens were quantized in 16-token blocks
+    assert int8["mean_js"] == 0  # ~90 tokens < int8's 128-token residual: exact, and the page says so
+    assert any("nothing was quantized" in i.value and "int8" in i.value for i in at.info)
+    assert len(at.get("plotly_chart")) == 4
+
+
+def test_memory_page_headroom_and_measured_cache():
+    at = start("app_pages/memory.py")
+    assert len(at.get("plotly_chart")) == 4  # headroom figures are formulas: drawn at once
+    at.number_input(key="mem_tokens").set_value(320)  # int4 quantizes 256 of them (128 stay in the residual)
+    at.multiselect(key="mem_precisions").set_value(["full", "int4"])
+    at.button(key="mem_run").click().run()
+    assert not at.exception and not at.error
+    rows = at.session_state["mem_result"]["results"]
+    assert [r["precision"] for r in rows] == ["full", "int4"] and rows[1]["bytes"] < rows[0]["bytes"]
+
+
+# --- concurrency ---------------------------------------------------------------------------------
+def test_four_sessions_at_once_queue_and_never_see_each_other():
+    """Four AppTest sessions on one shared model, each with its own document, asking at the same time."""
+    codes = ["ALPHA-11", "BRAVO-22", "CHARLIE-33", "DELTA-44"]
+    apps = [chat_app(max_new=3, doc=f"The access code is {c}. Keep it safe.".encode()) for c in codes]
+    errors: list[str] = []
+
+    def work(at: AppTest) -> None:
+        try:
+            ask(at, "What is the access code?")
+        except Exception as err:  # reported below
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=work, args=(at,)) for at in apps]
+    start_s = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=RUN_TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a queued session did not finish in time"
+    assert time.perf_counter() - start_s < RUN_TIMEOUT
+    assert errors == []
+    for code, at in zip(codes, apps, strict=True):
+        assert not at.exception and not at.error
+        assert answer_labels(at) == ["**full**", "**int4**"]
+        session = at.session_state["chat_session"]
+        assert code in session.document and all(other not in session.document for other in codes if other != code)
+        assert len(session.turns) == 1
+    assert len({id(at.session_state["chat_session"].lm) for at in apps}) == 1  # one model for all
+    assert not app_model().lock.locked()

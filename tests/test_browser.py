@@ -1,0 +1,241 @@
+"""A real browser against `streamlit run app.py`: Debian Chromium driven by Playwright (sync API).
+
+Opens every page through the app's own navigation (one session throughout), uploads a file, sends a
+chat message and waits for both answers, runs a small needle grid and a drift run, and takes a
+screenshot of each page into a temporary folder. Every wait has a timeout and the server is always
+killed. With KVDEMO_SCREENSHOTS=assets/screenshots the screenshots go there instead, at larger sizes
+(this is how the README's screenshots are refreshed):
+
+    KVDEMO_SCREENSHOTS=assets/screenshots .venv/bin/python -m pytest -q tests/test_browser.py
+
+Chromium comes from Debian (`make browser`); Playwright's own browser download is never used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SERVER_START_S = 90  # the server answering its health check
+MODEL_WORK_S = 300  # one step of model work on 2 busy CPU cores (the first load converts the GGUF)
+UI_S = 30  # a widget or page appearing
+REFRESH = os.environ.get("KVDEMO_SCREENSHOTS", "")
+# Test sizes are tiny; the README's screenshots use sizes that show what the pages are for.
+SIZES = (
+    {"max_new": "40", "lengths": "512,1024,2048", "depths": "0,50,100", "drift_tokens": "512", "drift_new": "8"}
+    if REFRESH
+    else {"max_new": "6", "lengths": "160", "depths": "50", "drift_tokens": "64", "drift_new": "2"}
+)
+DOCUMENT = (
+    "Meeting notes, 14 March. The budget review moved to Tuesday at 10 in room 4. Anna presents the travel "
+    "costs, which rose by 12 percent since last year, mostly because of train fares. Ben asks for a new "
+    "laptop for the design team. Clara reports that the new office in Porto opens in June with 18 desks. "
+    "Action items: Anna sends the cost table by Friday; Ben gets three quotes; the next review is in May."
+)
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.model,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(), reason=f"Debian Chromium not found at {CHROMIUM} (run `make browser`)"
+    ),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`streamlit run app.py` on a free loopback port; yields its URL; always killed (the whole process group)."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
+    env = os.environ | {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
+    cmd += ["--server.port", str(port), "--server.address", "127.0.0.1"]
+    cmd += ["--server.fileWatcherType", "none", "--server.runOnSave", "false"]  # other edits must not rerun it
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"streamlit exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.read().strip() == b"ok":
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"streamlit did not answer within {SERVER_START_S} s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=15)
+        text = log_path.read_text(errors="replace")
+        assert "Traceback" not in text, text[-3000:]
+
+
+@pytest.fixture
+def page():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+            pg = ctx.new_page()
+            pg.set_default_timeout(UI_S * 1000)
+            yield pg
+        finally:
+            browser.close()
+
+
+def idle(page, timeout_s: float = MODEL_WORK_S) -> None:
+    """Wait until the script run finishes (Streamlit's status widget shows its running icon while it runs)."""
+    page.wait_for_timeout(400)
+    page.locator('[data-testid="stStatusWidgetRunningIcon"]').wait_for(state="hidden", timeout=timeout_s * 1000)
+
+
+def no_exception(page) -> None:
+    assert page.locator('[data-testid="stException"]').count() == 0, page.locator(
+        '[data-testid="stException"]'
+    ).first.inner_text()
+
+
+def goto(page, title: str) -> None:
+    """Switch page through the sidebar navigation (client side: the session, its chat and document stay)."""
+    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=title).click()
+    idle(page)
+
+
+def fill(page, label: str, value: str) -> None:
+    box = page.get_by_label(label, exact=True)
+    box.fill(value)
+    box.press("Enter")
+    idle(page)
+
+
+def shoot(page, folder: Path, name: str) -> Path:
+    path = folder / f"{name}.png"
+    page.wait_for_timeout(500)  # let plotly finish drawing
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 10_000, f"{path} looks empty"
+    return path
+
+
+def test_every_page_in_chromium(server, page, tmp_path):
+    shots = Path(REFRESH) if REFRESH else tmp_path / "screenshots"
+    shots = shots if shots.is_absolute() else ROOT / shots
+    shots.mkdir(parents=True, exist_ok=True)
+
+    page.goto(server, wait_until="domcontentloaded")
+    page.get_by_text("KV bytes/token at 16 bit").wait_for(timeout=MODEL_WORK_S * 1000)  # model loaded
+    idle(page)
+    no_exception(page)
+    assert page.get_by_text("23,040 B").first.is_visible()
+    shoot(page, shots, "home")
+
+    # Chat: upload a file, send a message, both answers stream in.
+    goto(page, "Chat")
+    page.get_by_text("Chat with a document").first.wait_for()
+    page.get_by_text("Upload a file").click()
+    idle(page)
+    doc = tmp_path / "meeting-notes.txt"
+    doc.write_text(DOCUMENT)
+    page.locator('[data-testid="stFileUploader"] input[type="file"]').set_input_files(str(doc))
+    page.get_by_text(re.compile(r"meeting-notes\.txt: \d+ tokens")).wait_for(timeout=MODEL_WORK_S * 1000)
+    idle(page)
+    fill(page, "New tokens per answer", SIZES["max_new"])
+    chat = page.locator('[data-testid="stChatInput"] textarea')
+    chat.fill("When is the budget review, and where?")
+    chat.press("Enter")
+    done = page.get_by_text(re.compile("First diverging token|Identical answers|No diverging token"))
+    done.first.wait_for(timeout=MODEL_WORK_S * 1000)
+    idle(page)
+    no_exception(page)
+    messages = page.locator('[data-testid="stChatMessage"]')
+    assert messages.count() == 3  # the question and two answers
+    assert page.get_by_text("full", exact=True).count() >= 1 and page.get_by_text("int4", exact=True).count() >= 1
+    if REFRESH:  # a follow-up question, to show the cache reuse in the screenshot
+        chat.fill("Who presents the travel costs?")
+        chat.press("Enter")
+        page.get_by_text(re.compile("from the cache")).first.wait_for(timeout=MODEL_WORK_S * 1000)
+        idle(page)
+    shoot(page, shots, "chat")
+
+    # Needle: a small grid draws its heatmaps.
+    goto(page, "Needle")
+    fill(page, "Prompt lengths (tokens)", SIZES["lengths"])
+    fill(page, "Depths (% of the haystack)", SIZES["depths"])
+    page.get_by_role("button", name="Run grid").click()
+    page.locator(".js-plotly-plot").first.wait_for(timeout=MODEL_WORK_S * 1000 * (4 if REFRESH else 1))
+    idle(page, MODEL_WORK_S * (4 if REFRESH else 1))
+    no_exception(page)
+    assert page.locator(".js-plotly-plot").count() == 3
+    shoot(page, shots, "needle")
+
+    # Memory & headroom: formulas at once, no model work needed.
+    goto(page, "Memory & headroom")
+    page.locator(".js-plotly-plot").first.wait_for()
+    no_exception(page)
+    assert page.locator(".js-plotly-plot").count() >= 4
+    shoot(page, shots, "memory")
+
+    # Attention drift on the uploaded document.
+    goto(page, "Attention drift")
+    assert page.get_by_text("Current document: meeting-notes.txt").is_visible()
+    fill(page, "Document tokens", SIZES["drift_tokens"])
+    fill(page, "Generated tokens", SIZES["drift_new"])
+    page.get_by_role("button", name="Run drift").click()
+    page.locator(".js-plotly-plot").first.wait_for(timeout=MODEL_WORK_S * 1000 * (3 if REFRESH else 1))
+    idle(page)
+    no_exception(page)
+    assert page.locator(".js-plotly-plot").count() == 4
+    shoot(page, shots, "drift")
+
+    # Back on Chat: the conversation of this session is still there.
+    goto(page, "Chat")
+    page.get_by_text("When is the budget review, and where?").wait_for()
+    assert page.locator('[data-testid="stChatMessage"]').count() >= 3
+    assert sorted(p.name for p in shots.glob("*.png")) == [
+        "chat.png",
+        "drift.png",
+        "home.png",
+        "memory.png",
+        "needle.png",
+    ]

@@ -1,0 +1,272 @@
+"""kvdemo.chat: prefix reuse across turns, two lanes, cancel, OOM injection, the model lock, concurrency."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvdemo import chat
+from kvdemo.chat import ChatError, ChatSession, divergence_split, model_lock
+from kvdemo.runner import Cancelled, chat_ids, first_divergence, run_precision
+
+DOC = (
+    "The Zorblat company was founded in 1987 in Lisbon by Maria Santos. It makes blue bicycles and red "
+    "scooters. Its headquarters moved to Porto in 2003, next to the river. The company has 412 employees, "
+    "and its best-selling model is called the Heron. In 2019 Zorblat opened a second factory in Braga, "
+    "where 150 people build electric bicycles. The current chief executive is Tomas Ferreira."
+)
+NEW = 6  # new tokens per answer: small, the tests are about cache bookkeeping, not answer quality
+
+
+class Boom(BaseException):
+    """Stands in for Streamlit's RerunException/StopException (BaseException subclasses)."""
+
+
+# --- the lock, without a model ---------------------------------------------------------------------
+def test_model_lock_waits_reports_and_releases():
+    fake = SimpleNamespace(lock=threading.Lock())
+    fake.lock.acquire()
+    threading.Timer(0.5, fake.lock.release).start()
+    waits = []
+    with model_lock(fake, on_wait=waits.append, poll_s=0.05) as waited:
+        assert fake.lock.locked()
+        assert waited >= 0.4
+    assert waits and waits[0] < waits[-1]
+    assert not fake.lock.locked()
+
+
+def test_model_lock_cancel_while_waiting_does_not_take_the_lock():
+    fake = SimpleNamespace(lock=threading.Lock())
+    fake.lock.acquire()
+    calls = []
+    with pytest.raises(Cancelled):
+        with model_lock(fake, on_wait=calls.append, should_stop=lambda: len(calls) >= 3, poll_s=0.01):
+            pytest.fail("must not enter")
+    assert len(calls) == 3
+    fake.lock.release()  # still ours: the cancelled waiter never took or released it
+    with model_lock(fake):
+        pass
+
+
+def test_model_lock_released_on_exception():
+    fake = SimpleNamespace(lock=threading.Lock())
+    with pytest.raises(Boom):
+        with model_lock(fake):
+            raise Boom()
+    assert not fake.lock.locked()
+
+
+# --- sessions on the embedded model ----------------------------------------------------------------
+@pytest.fixture
+def session(lm):
+    return ChatSession(lm, "int4:g32:r32", document=DOC)
+
+
+@pytest.mark.model
+def test_prepare_then_followups_feed_only_new_tokens(lm, session):
+    doc_ids = chat_ids(lm, session.history()["full"], add_generation_prompt=False)
+    assert session.prepare() == {"full": len(doc_ids), "int4:g32:r32": len(doc_ids)}
+    assert session.prepare() == {"full": 0, "int4:g32:r32": 0}  # already prefilled: nothing fed
+    first = session.ask("Who founded Zorblat?", max_new_tokens=NEW)
+    second = session.ask("How many employees does it have?", max_new_tokens=NEW)
+    for turn in (first, second):
+        assert [a.precision for a in turn.answers] == ["full", "int4:g32:r32"]
+        for a in turn.answers:
+            assert 0 < a.fed_tokens < 40, a  # the ~110-token document is never read again
+            assert not a.reprefilled
+            assert a.prompt_tokens > len(doc_ids)
+            assert len(a.tokens) == NEW or a.stopped == "eos"
+    # The full-precision answer of the follow-up equals a from-scratch run on the same conversation.
+    hist = session.history()["full"]
+    ids = chat_ids(lm, hist[:-1])
+    assert second.answers[0].prompt_tokens == len(ids)
+    assert run_precision(lm, ids, "full", NEW).tokens == second.answers[0].tokens
+    # Each lane's cache holds its conversation so far (the last generated token is never fed).
+    for a in second.answers:
+        held = a.prompt_tokens + len(a.tokens) - 1
+        assert a.cache_tokens == held == session.cached_tokens()[a.precision]
+        assert a.cache_bytes == session.cache_bytes()[a.precision] > 0
+    full_bytes, int4_bytes = (a.cache_bytes for a in second.answers)
+    assert int4_bytes < full_bytes  # codes + a 32-token residual vs the model's dtype
+
+
+@pytest.mark.model
+def test_divergence_is_reported_against_the_baseline(lm):
+    s = ChatSession(lm, "int2:g32:r32", document=DOC)
+    turn = s.ask("Describe the company in one sentence.", max_new_tokens=12)
+    base, low = turn.answers
+    assert turn.first_divergence == first_divergence(base.tokens, low.tokens)
+    before, token, after = divergence_split(low, turn.first_divergence, lm.tokenizer)
+    assert before + token + after == low.text
+    if turn.first_divergence is None:
+        assert token == after == ""
+    else:
+        assert token == lm.tokenizer.decode([low.tokens[turn.first_divergence]], skip_special_tokens=True)
+    assert turn.to_dict()["answers"][1]["precision"] == "int2:g32:r32"
+
+
+@pytest.mark.model
+def test_should_stop_keeps_partial_turn_and_next_turn_reuses_cache(lm, session):
+    session.prepare()  # both lanes hold the document
+    streamed = []
+
+    def on_token(label, token, piece):
+        streamed.append((label, token))
+
+    turn = session.ask(
+        "Who founded Zorblat?", max_new_tokens=NEW, on_token=on_token, should_stop=lambda: len(streamed) >= 2
+    )
+    base, chosen = turn.answers
+    assert base.stopped == "cancelled" and len(base.tokens) == 2
+    assert chosen.stopped == "cancelled" and chosen.tokens == []  # stopped before it started
+    assert turn.cancelled and session.turns == [turn]
+    assert not lm.lock.locked()
+    nxt = session.ask("Where is the headquarters?", max_new_tokens=NEW)
+    assert not nxt.cancelled
+    assert all(not a.reprefilled and a.fed_tokens < 40 for a in nxt.answers)  # both caches reused
+
+
+@pytest.mark.model
+def test_exception_from_a_callback_releases_lock_and_keeps_chat(lm, session):
+    def on_token(label, token, piece):
+        if label != "full":
+            raise Boom()  # e.g. Streamlit stops the script when the user clicks Stop or changes page
+
+    with pytest.raises(Boom):
+        session.ask("Who founded Zorblat?", max_new_tokens=NEW, on_token=on_token)
+    assert not lm.lock.locked()
+    (turn,) = session.turns
+    assert turn.answers[0].stopped in ("eos", "length") and turn.answers[0].text
+    assert len(turn.answers[1].tokens) == 1  # the token whose callback raised is kept
+    again = session.ask("And the headquarters?", max_new_tokens=NEW)
+    assert all(not a.reprefilled for a in again.answers)
+    assert len(session.turns) == 2
+
+
+@pytest.mark.model
+def test_exception_inside_a_forward_pass_drops_only_that_cache(lm, session):
+    session.prepare()
+    layer = lm.model.model.layers[7]
+    calls = {"n": 0}
+
+    def fail_on_decode(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] == 1:  # a decode step: layers 0-6 have appended, layers 7+ have not
+            calls["n"] += 1
+            raise RuntimeError("injected failure")
+
+    handle = layer.register_forward_pre_hook(fail_on_decode, with_kwargs=True)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            session.ask("Who founded Zorblat?", max_new_tokens=NEW)
+    finally:
+        handle.remove()
+    assert calls["n"] == 1 and not lm.lock.locked()
+    assert session.cached_tokens()["full"] == 0  # half-updated cache dropped, not reused
+    assert session.cached_tokens()["int4:g32:r32"] > 0  # the other lane's prefilled document is kept
+    turn = session.ask("Who founded Zorblat?", max_new_tokens=NEW)
+    assert turn.answers[0].fed_tokens == turn.answers[0].prompt_tokens  # rebuilt from scratch
+    assert turn.answers[1].fed_tokens < 40
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("where, error", [("prefill", torch.OutOfMemoryError), ("generate", MemoryError)])
+def test_out_of_memory_frees_caches_and_keeps_chat(lm, session, monkeypatch, where, error):
+    session.ask("Who founded Zorblat?", max_new_tokens=NEW)
+    real = getattr(chat, where)
+
+    def oom(*args, **kwargs):
+        raise error("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(chat, where, oom)
+    with pytest.raises(ChatError, match="out of memory.*lower KV precision"):
+        session.ask("How many employees?", max_new_tokens=NEW)
+    assert session.cache_bytes() == {"full": 0, "int4:g32:r32": 0}
+    assert len(session.turns) == 1 and not lm.lock.locked()
+    monkeypatch.setattr(chat, where, real)
+    turn = session.ask("How many employees?", max_new_tokens=NEW)
+    assert all(a.fed_tokens == a.prompt_tokens for a in turn.answers)  # re-read after the caches were freed
+    assert len(session.turns) == 2
+
+
+@pytest.mark.model
+def test_bad_input_is_a_chat_error(lm, session, monkeypatch):
+    with pytest.raises(ChatError, match="type a question"):
+        session.ask("   ")
+    with pytest.raises(ChatError, match="positive"):
+        session.ask("hi", max_new_tokens=0)
+    monkeypatch.setattr(type(lm), "max_context", property(lambda self: 120))
+    with pytest.raises(ChatError, match=r"exceeds the model's context \(120 tokens\)"):
+        session.ask("Who founded Zorblat?", max_new_tokens=NEW)
+    assert session.turns == [] and not lm.lock.locked()
+    with pytest.raises(ValueError, match="unknown precision"):
+        session.set_precision("int3")
+
+
+@pytest.mark.model
+def test_set_precision_keeps_the_chat(lm, session):
+    session.ask("Who founded Zorblat?", max_new_tokens=NEW)
+    session.set_precision("int8")
+    assert session.labels == ["full", "int8"]
+    hist = session.history()
+    assert hist["int8"] == hist["full"]  # the new lane continues the baseline's conversation
+    assert len(session.turns) == 1
+    turn = session.ask("Where is the headquarters?", max_new_tokens=NEW)
+    assert turn.answers[1].precision == "int8"
+    assert turn.answers[1].fed_tokens == turn.answers[1].prompt_tokens  # new precision: new cache
+    assert turn.answers[0].fed_tokens < 40
+    session.set_document("A short note: the meeting is on Tuesday.")
+    assert session.turns == [] and session.cache_bytes() == {"full": 0, "int8": 0}
+
+
+@pytest.mark.model
+def test_four_concurrent_sessions_queue_and_never_cross_talk(lm):
+    """Four threads, four sessions, one model: every run completes, one generation at a time, no cross-talk."""
+    codes = ["ALPHA-11", "BRAVO-22", "CHARLIE-33", "DELTA-44"]
+    sessions = [ChatSession(lm, "k8v4:g32:r32", document=f"The access code is {c}. Keep it safe.") for c in codes]
+    active, peak, waits, errors = [0], [0], [0] * 4, []
+    guard = threading.Lock()
+    real_prefill = chat.prefill
+
+    def counting_prefill(*args, **kwargs):
+        with guard:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            return real_prefill(*args, **kwargs)
+        finally:
+            with guard:
+                active[0] -= 1
+
+    def work(i: int) -> None:
+        try:
+            sessions[i].ask("What is the access code?", max_new_tokens=4, on_wait=lambda s: waits.__setitem__(i, 1))
+        except Exception as err:  # reported below
+            errors.append(err)
+
+    chat.prefill = counting_prefill
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+    finally:
+        chat.prefill = real_prefill
+    assert not any(t.is_alive() for t in threads), "a queued run did not finish in time"
+    assert errors == []
+    assert peak[0] == 1  # the lock serialized the generations
+    assert sum(waits) >= 1  # at least one session saw "waiting for another user"
+    assert time.perf_counter() - start < 240
+    for code, s in zip(codes, sessions, strict=True):
+        assert len(s.turns) == 1
+        for hist in s.history().values():
+            text = " ".join(m["content"] for m in hist)
+            assert code in text
+            assert not any(other in text for other in codes if other != code)
+    assert not lm.lock.locked()

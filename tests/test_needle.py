@@ -1,0 +1,383 @@
+"""Needle in a haystack: prompt length, depth placement, sentence-boundary insertion, scoring, custom
+needles in a user document, the runner's shared prefill, files, figures and the CLI."""
+
+import argparse
+import csv
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdemo import figures, needle, runner, texts
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_NEEDLE = "The secret ingredient in the lighthouse keeper's soup is smoked paprika."
+DOC_QUESTION = "What is the secret ingredient in the lighthouse keeper's soup?"
+DOC_ANSWER = "smoked paprika"
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(
+        precision="full,int4",
+        lengths="256",
+        depths="50",
+        kind="passkey",
+        haystack_file="",
+        needle="",
+        question="",
+        answer="",
+        seed=0,
+        out="",
+        json=True,
+        model="embedded",
+        device="cpu",
+        dtype="float32",
+    )
+    return argparse.Namespace(**(base | kw))
+
+
+def _row(precision: str, length: int, depth: float, correct: bool, logprob: float) -> needle.NeedleRow:
+    return needle.NeedleRow(
+        length=length,
+        depth=depth,
+        precision=precision,
+        answer="12345." if correct else "I do not know.",
+        correct=correct,
+        answer_logprob=logprob,
+        expected="12345",
+        kind="passkey",
+        key="",
+        prompt_tokens=length,
+        depth_actual=depth,
+        needle_position=10,
+        answer_tokens=5,
+        generated_tokens=3,
+        stopped="answer_end",
+        prefill_s=0.1,
+        seconds=0.2,
+    )
+
+
+def _fake_result() -> needle.NeedleResult:
+    rows = [
+        _row("full", 1024, 0.0, True, -0.1),
+        _row("int4", 1024, 0.0, True, -0.3),
+        _row("full", 1024, 100.0, True, -0.2),
+        _row("int4", 1024, 100.0, False, -2.5),
+    ]
+    return needle.NeedleResult("m", "passkey", "filler", 0, [1024], [0.0, 100.0], ["full", "int4"], rows, 1.0, "done")
+
+
+# --- scoring -------------------------------------------------------------------------------------------
+
+
+def test_exact_match_normalisation():
+    assert needle.answer_matches("68213", " 68213.")
+    assert needle.answer_matches("68213", "The pass key is 68,213!")
+    assert needle.answer_matches("Smoked Paprika", "It is smoked  paprika, of course")
+    assert needle.answer_matches("smoked paprika", "SMOKED-PAPRIKA")
+    assert not needle.answer_matches("68213", "682130")  # whole numbers only
+    assert not needle.answer_matches("68213", "6821")
+    assert not needle.answer_matches("paprika", "paprikas")
+    assert not needle.answer_matches("", "anything")
+    assert needle.normalize("  Ａ１,000 \u201cx\u201d ") == "a1000 x"  # NFKC, separators, quotes
+
+
+def test_summary_counts_agreement_with_full():
+    s = {r["precision"]: r for r in needle.summarize(_fake_result().rows)}
+    assert s["full"]["accuracy"] == 1.0 and s["full"]["agree_with_full"] == 2
+    assert s["int4"]["correct"] == 1 and s["int4"]["agree_with_full"] == 1
+    assert s["int4"]["mean_logprob_change"] == pytest.approx(((-0.3 + 0.1) + (-2.5 + 0.2)) / 2)
+
+
+# --- text handling -------------------------------------------------------------------------------------
+
+
+def test_sentence_starts_skip_abbreviations():
+    text = 'Mr. Darcy came. She left! "Yes," said J. Smith.\n\nChapter 2\n\nNew para. lower case.'
+    starts = needle.sentence_starts(text)
+    assert starts[0] == 0 and starts[-1] == len(text)
+    assert text.index("Darcy") not in starts  # "Mr." is no sentence end
+    assert text.index("Smith") not in starts  # neither is an initial
+    for word in ("She", '"Yes', "Chapter", "New"):
+        assert text.index(word) in starts
+    assert text.index("lower") not in starts  # a sentence starts with a capital
+
+
+def test_insert_keeps_the_text_around_the_needle():
+    text = "One two. Three four.\n\nFive six."
+    b = text.index("Three")
+    body, at = needle.insert_at(text, b, "NEEDLE.")
+    assert body == "One two. NEEDLE. Three four.\n\nFive six." and body[at:].startswith("NEEDLE.")
+    body, at = needle.insert_at(text, text.index("Five"), "NEEDLE.")
+    assert body == "One two. Three four.\n\nNEEDLE.\n\nFive six."
+    assert needle.insert_at(text, 0, "N.")[0] == "N. " + text
+    assert needle.insert_at(text, len(text), "N.") == (text + " N.", len(text) + 1)
+    cut = "A sentence cut in the"
+    assert needle.insert_at(cut, len(cut), "N.")[0] == cut + "\n\nN."
+
+
+# --- tasks and settings --------------------------------------------------------------------------------
+
+
+def test_tasks_are_seeded_and_well_formed():
+    a = needle.make_task("passkey", needle.cell_rng(3, 1024, 50))
+    b = needle.make_task("passkey", needle.cell_rng(3, 1024, 50))
+    c = needle.make_task("passkey", needle.cell_rng(4, 1024, 50))
+    assert a == b and a.answer != c.answer
+    assert len(a.answer) == 5 and a.needle == f"The pass key is {a.answer}. Remember it. {a.answer} is the pass key."
+    m = needle.make_task("multikey", random.Random(0), num_keys=5)
+    assert len(m.distractors) == 4 and len(m.answer) == 7 and m.answer.isdigit()
+    keys = [re.split(r" for | is", n)[1] for n in [m.needle, *m.distractors]]
+    assert len(set(keys)) == 5 and keys[0] == m.key and m.key in m.question and m.key in m.answer_prefix
+    assert f"for {m.key} is: {m.answer}." in m.needle
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"kind": "custom", "needle": "", "question": "q?", "answer": "a"}, "non-empty needle"),
+        (
+            {"kind": "custom", "needle": "The code is 7.", "question": "Code?", "answer": "8"},
+            "must appear in the needle",
+        ),
+        ({"kind": "custom", "needle": "The code is 7.", "question": " ", "answer": "7"}, "non-empty question"),
+        ({"kind": "passkey", "needle": "x"}, "only with kind 'custom'"),
+        ({"kind": "haystack"}, "allowed: passkey, multikey, custom"),
+    ],
+)
+def test_bad_needles_are_value_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        needle.make_task(kw.pop("kind"), random.Random(0), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"depths": "0,150"}, "outside 0..100"),
+        ({"depths": "a,b"}, "comma-separated numbers"),
+        ({"lengths": ""}, "at least one value"),
+        ({"haystack_file": "/nonexistent/doc.txt"}, "haystack file not found"),
+        ({"kind": "custom", "needle": "The code is 7.", "question": "Code?", "answer": "9"}, "must appear"),
+        ({"precision": "int5"}, "unknown precision"),
+    ],
+)
+def test_cli_settings_fail_before_loading_the_model(kw, message):
+    with pytest.raises(ValueError, match=message):
+        needle.run_cli(_args(**kw))
+
+
+def test_save_results_json_and_csv(tmp_path):
+    result = _fake_result()
+    paths = needle.save_results(result, tmp_path / "out")
+    data = json.loads(Path(paths["json"]).read_text())
+    assert data["rows"][3]["correct"] is False and data["summary"][1]["precision"] == "int4"
+    with open(paths["csv"], newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert len(lines) == 4 and list(lines[0]) == needle.CSV_COLUMNS
+    assert lines[3]["precision"] == "int4" and float(lines[3]["answer_logprob"]) == -2.5
+    text = needle.format_text(result.to_dict())
+    assert "== int4" in text and "MISS" in text and "1/2" in text
+
+
+def test_figures_from_rows():
+    out = _fake_result().to_dict()
+    heat, diff, curve = figures.needle_figures(out)
+    assert [t.type for t in heat.data] == ["heatmap", "heatmap"]
+    assert [list(r) for r in heat.data[1].z] == [[1.0], [0.0]]  # int4: found at depth 0, missed at depth 100
+    assert diff.data[0].z[1][0] == pytest.approx(-2.3)  # int4 - full at depth 100
+    assert diff.data[0].zmin == -diff.data[0].zmax
+    assert [t.name for t in curve.data] == ["full", "int4"]
+    assert figures.needle_heatmap_figure(out, "answer_prob").data[0].z[0][0] == pytest.approx(0.904837, abs=1e-5)
+    with pytest.raises(ValueError, match="no 'full' rows"):
+        figures.needle_difference_figure(out["rows"][1::2])
+
+
+# --- prompts on the embedded model's tokenizer ---------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kind", ["passkey", "multikey", "custom"])
+def test_prompt_length_within_one_percent(lm, kind):
+    doc = texts.held_out()
+    for length in (300, 1000, 3000):
+        rng = needle.cell_rng(0, length, 40)
+        if kind == "custom":
+            task = needle.make_task(kind, rng, DOC_NEEDLE, DOC_QUESTION, DOC_ANSWER)
+            hay = doc
+        else:
+            task = needle.make_task(kind, rng)
+            hay = needle.default_haystack(kind)[1]
+        p = needle.build_prompt(lm, task, hay, length, 40, rng)
+        assert length * 0.99 <= p.length <= length, (kind, length, p.length)
+        prefix_ids, answer_ids = needle.split_answer(lm, task.answer_prefix, task.answer)
+        assert p.answer_ids == answer_ids
+        # the chat template of the model, as runner.chat_ids applies it, then the answer prefix
+        messages = [{"role": "user", "content": p.text}]
+        assert p.ids == runner.chat_ids(lm, messages) + prefix_ids
+        assert p.text.count(task.needle) == 1 and all(p.text.count(d) == 1 for d in task.distractors)
+        assert p.text.endswith("\n\n" + task.question)
+
+
+@pytest.mark.model
+def test_depth_placement_on_filler(lm):
+    task = needle.make_task("passkey", random.Random(1))
+    tok = lm.tokenizer
+    for depth in (0, 10, 33, 50, 90, 100):
+        p = needle.build_prompt(lm, task, needle.FILLER, 2000, depth, joiner=" ")
+        assert abs(p.depth_actual - depth) <= 1.0, (depth, p.depth_actual)
+        found = tok.decode(p.ids[p.needle_position : p.needle_position + p.needle_tokens]).strip()
+        assert found == task.needle
+        share = (p.needle_position - p.body_start) / (p.body_tokens - p.needle_tokens)
+        assert share == pytest.approx(depth / 100, abs=0.01)
+        assert p.body_start <= p.needle_position < p.context_len
+
+
+@pytest.mark.model
+def test_depth_and_sentence_boundaries_in_prose(lm):
+    task = needle.make_task("multikey", random.Random(2))
+    for depth in (0, 25, 50, 75, 100):
+        p = needle.build_prompt(lm, task, texts.prose(), 3000, depth, random.Random(depth))
+        assert abs(p.depth_actual - depth) <= 4.0, (depth, p.depth_actual)
+        at = p.text.index(task.needle)
+        before, after = p.text[:at], p.text[at + len(task.needle) :]
+        body_start = p.text.index("\n\n") + 2
+        assert at == body_start or re.search(r"([.!?][\"')\]]*\s+|\n\s*\n)$", before), before[-40:]
+        assert after.startswith("\n\n") or re.match(r"\s+[\"'(\[]?[A-Z0-9]", after), after[:40]
+        assert not re.search(r"\b(Mr|Mrs|Dr)\.\s+$", before)
+
+
+@pytest.mark.model
+def test_custom_needle_in_a_user_document(lm):
+    doc = "\n\n".join(texts.held_out().split("\n\n")[:40])  # a user's own document, ~2.3k tokens
+    task = needle.make_task("custom", random.Random(0), DOC_NEEDLE, DOC_QUESTION, DOC_ANSWER)
+    p = needle.build_prompt(lm, task, doc, 1500, 60)
+    assert abs(p.depth_actual - 60) <= 5 and p.haystack_copies == 1
+    assert p.text.startswith(needle.INSTRUCTIONS["custom"] + "\n\nCHAPTER 1\n\nThe family of Dashwood")
+    assert lm.tokenizer.decode(p.answer_ids).strip() == DOC_ANSWER
+    short = "Only two sentences here. The document is short."
+    p = needle.build_prompt(lm, task, short, 400, 50)
+    assert p.haystack_copies > 1 and p.text.count(short) > 3 and 396 <= p.length <= 400
+    with pytest.raises(ValueError, match="no text"):
+        needle.build_prompt(lm, task, "  \n ", 400, 50)
+    with pytest.raises(ValueError, match="too short"):
+        needle.build_prompt(lm, task, doc, 60, 50)
+
+
+# --- the runner ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("spec", ["int4", "k8v4", "int2:g32:s4"])
+def test_transplant_equals_a_direct_prefill(lm, spec):
+    ids = runner.chat_ids(lm, [{"role": "user", "content": texts.prose()[:1200]}])  # ~280 tokens
+    full = runner.new_cache(lm, "full")
+    runner.prefill(lm, ids, full, chunk=len(ids))
+    moved = needle.transplant(lm, full, spec)
+    direct = runner.new_cache(lm, spec)
+    runner.prefill(lm, ids, direct, chunk=len(ids))
+    assert moved.nbytes() == direct.nbytes()
+    fields = ("sink_keys", "key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
+    for a, b in zip(moved.layers, direct.layers, strict=True):
+        pa, pb = a.packed(), b.packed()
+        assert pa.quant_len == pb.quant_len > 0
+        for name in (*fields, "residual_keys", "residual_values"):
+            x, y = getattr(pa, name), getattr(pb, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
+    with pytest.raises(ValueError, match="full-precision source"):
+        needle.transplant(lm, direct, "int8")
+
+
+@pytest.mark.model
+def test_tiny_grid_end_to_end(lm, tmp_path):
+    seen = []
+    result = needle.run_grid(
+        lm, [256], [0, 100], "int4", kind="passkey", on_progress=lambda d, t, r: seen.append((d, t, r.precision))
+    )
+    assert result.precisions == ["full", "int4"] and result.stopped == "done"  # full precision is always a row
+    assert [s[:2] for s in seen] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert [(r.depth, r.precision) for r in result.rows] == [(0, "full"), (0, "int4"), (100, "full"), (100, "int4")]
+    for r in result.rows:
+        assert 253 <= r.prompt_tokens <= 256 and r.answer_tokens == 5 and r.expected.isdigit()
+        assert r.correct == needle.answer_matches(r.expected, r.answer)
+        assert r.answer_logprob < 0 and 1 <= r.generated_tokens <= 12
+    by_cell = {}
+    for r in result.rows:
+        by_cell.setdefault(r.depth, set()).add((r.prefill_s, r.prompt_tokens, r.needle_position))
+    assert all(len(v) == 1 for v in by_cell.values())  # one shared prefill and prompt per cell
+    assert any(r.correct for r in result.rows if r.precision == "full")  # the passkey is found at 256 tokens
+    paths = needle.save_results(result, tmp_path)
+    assert json.loads(Path(paths["json"]).read_text())["rows"][0]["precision"] == "full"
+    assert len(figures.needle_figures(result)) == 3
+
+
+@pytest.mark.model
+def test_logprob_matches_a_direct_forward(lm):
+    rng = needle.cell_rng(5, 300, 50)
+    task = needle.make_task("passkey", rng)
+    p = needle.build_prompt(lm, task, needle.FILLER, 300, 50, rng, " ")
+    (row,) = needle.run_cell(lm, task, p, [needle.parse_precision("full")])
+    with torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([p.ids + p.answer_ids])).logits[0].float()  # [T + k, V]
+    lp = torch.log_softmax(logits[len(p.ids) - 1 : -1], -1)  # predictions of the answer tokens
+    direct = float(lp[torch.arange(len(p.answer_ids)), torch.tensor(p.answer_ids)].sum())
+    assert row.answer_logprob == pytest.approx(direct, abs=2e-3)
+    greedy = lm.tokenizer.decode([int(logits[len(p.ids) - 1].argmax())])
+    assert row.answer.startswith(greedy.strip())  # the generated answer starts with the greedy token
+
+
+@pytest.mark.model
+def test_cancel_and_bad_lengths(lm):
+    calls = []
+    result = needle.run_grid(
+        lm, [256], [50], "full,int8", on_progress=lambda d, t, r: calls.append(d), should_stop=lambda: bool(calls)
+    )
+    assert result.stopped == "cancelled" and len(calls) == len(result.rows) == 1  # the rows done are kept
+    assert result.rows[0].precision == "int8"  # quantized rows run first: full reuses the prefilled cache
+    with pytest.raises(ValueError, match="context"):
+        needle.run_grid(lm, [lm.max_context], [50], "int4")
+    with pytest.raises(ValueError, match="outside 0..100"):
+        needle.run_grid(lm, [256], [-1], "int4")
+
+
+@pytest.mark.model
+def test_cli_tiny_grid(tmp_path):
+    doc = tmp_path / "notes.md"
+    doc.write_text("# Notes\n\n" + "\n\n".join(texts.held_out().split("\n\n")[:12]), encoding="utf-8")
+    cmd = [sys.executable, "-m", "kvdemo", "needle", "--precision", "int8", "--lengths", "300", "--depths", "50"]
+    cmd += ["--kind", "custom", "--haystack-file", str(doc), "--needle", DOC_NEEDLE, "--question", DOC_QUESTION]
+    cmd += ["--answer", DOC_ANSWER, "--out", str(tmp_path / "res"), "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["model"] and out["haystack"] == "notes.md" and out["kind"] == "custom"
+    assert [r["precision"] for r in out["rows"]] == ["full", "int8"]
+    for r in out["rows"]:
+        assert {"length", "depth", "precision", "answer", "correct", "answer_logprob"} <= set(r)
+        assert r["expected"] == DOC_ANSWER and r["length"] == 300
+    assert Path(out["files"]["csv"]).is_file() and Path(out["files"]["json"]).is_file()
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvdemo", "needle", "--depths", "120"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "outside 0..100" in bad.stderr
+
+
+@pytest.mark.model
+def test_teacher_forcing_equals_one_by_one_decoding(lm):
+    ids = runner.chat_ids(lm, [{"role": "user", "content": texts.prose()[:1100]}])
+    ids = ids[: 128 * (len(ids) // 128) - 3]  # the 3rd token fed next fills a block: a flush mid-answer
+    answer = lm.tokenizer(" 12345 is it", add_special_tokens=False)["input_ids"]
+    for spec in ("int2", "full"):
+        cache = runner.new_cache(lm, spec)
+        runner.prefill(lm, ids, cache, chunk=len(ids))
+        assert needle.flush_points(cache, len(answer)) == ([2] if spec == "int2" else [])
+        one_by_one = runner.fork(cache)
+        steps = torch.stack([runner.prefill(lm, [t], one_by_one) for t in answer])  # [k, V]
+        forced = needle.forward_as_decoding(lm, answer, cache)  # [k, V]
+        torch.testing.assert_close(forced, steps, atol=2e-4, rtol=1e-4)
+        assert cache.layers[0].quant_len == one_by_one.layers[0].quant_len
