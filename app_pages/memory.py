@@ -23,6 +23,7 @@ from kvdemo.memory import (
 from kvdemo.precision import parse_precision_list
 
 REPORTS_DIR = Path(__file__).resolve().parent.parent / "reports"
+SHIPPED_REPORT_DIR = Path(__file__).resolve().parent.parent / "assets" / "reports"
 DEFAULT_PRECISIONS = ["full", "fp8", "int8", "k8v4", "int4", "int2"]
 
 lm = common.model()
@@ -180,14 +181,22 @@ if measured is not None:
 
 # --- the benchmark report ------------------------------------------------------------------------
 st.subheader("Benchmark: kvdemo vs transformers' QuantizedCache")
-report = bench.load_report(REPORTS_DIR)
+report, source = bench.load_report(REPORTS_DIR), "your latest run (reports/bench.json)"
+if report is None:
+    report, source = bench.load_report(SHIPPED_REPORT_DIR), "shipped with kvdemo (assets/reports/bench.json)"
 if report is None:
     st.info("No benchmark report yet: run `python -m kvdemo bench` to write reports/bench.json.")
 else:
     try:
+        machine = report["machine"]
+        st.caption(
+            f"Report {source}: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+            f"{machine.get('device', '?')} {machine.get('dtype', '')}, {machine.get('date', '?')}. "
+            "Run `python -m kvdemo bench` to measure this machine."
+        )
         st.markdown(bench.markdown_table(report))
         for i, fig in enumerate(figures.bench_figures(report)):
             st.plotly_chart(fig, key=f"bench_fig_{i}")
-    except (KeyError, TypeError, ValueError, IndexError) as err:  # a report from another kvdemo version
-        st.warning(f"reports/bench.json has an unexpected layout ({type(err).__name__}: {err}); raw content below.")
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:  # another kvdemo version
+        st.warning(f"The report ({source}) has an unexpected layout ({type(err).__name__}: {err}); raw content below.")
         st.json(report, expanded=False)

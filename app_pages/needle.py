@@ -11,7 +11,7 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo import figures
-from kvdemo.needle import CSV_COLUMNS, KINDS, NeedleError, run_grid, summarize
+from kvdemo.needle import CSV_COLUMNS, KINDS, NeedleError, parse_numbers, run_grid, summarize
 
 lm = common.model()
 st.title("Needle in a haystack")
@@ -21,16 +21,6 @@ st.caption(
     "by the teacher-forced log-probability of the true answer (continuous: it moves before a pass turns "
     "into a miss). The embedded model is a weak retriever: always read the full-precision row first."
 )
-
-
-def numbers(text: str, what: str, cast) -> list:
-    try:
-        values = [cast(t) for t in text.replace(";", ",").split(",") if t.strip()]
-    except ValueError:
-        raise NeedleError(f"{what}: give comma-separated numbers, e.g. 512,1024") from None
-    if not values:
-        raise NeedleError(f"{what}: give at least one number")
-    return list(dict.fromkeys(values))
 
 
 doc = common.document()
@@ -89,8 +79,8 @@ if st.session_state.get("needle_cancel") and partial and partial["rows"]:  # a r
 if run:
     status = st.empty()
     try:
-        lengths = numbers(st.session_state["needle_lengths"], "lengths", int)
-        depths = numbers(st.session_state["needle_depths"], "depths", float)
+        lengths = parse_numbers(st.session_state["needle_lengths"], "lengths", int)
+        depths = parse_numbers(st.session_state["needle_depths"], "depths", float)
         if not picked:
             raise NeedleError("pick at least one precision")
     except NeedleError as err:

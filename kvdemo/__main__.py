@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from .precision import parse_precision, parse_precision_list
 
 
@@ -157,13 +159,7 @@ def _lazy(module: str, name: str):
     def call(*args):
         import importlib
 
-        try:
-            found = importlib.import_module(f"kvdemo.{module}")
-        except ModuleNotFoundError as err:
-            if err.name != f"kvdemo.{module}":
-                raise
-            raise ValueError(f"this build has no kvdemo/{module}.py yet, so the command is unavailable") from None
-        return getattr(found, name)(*args)
+        return getattr(importlib.import_module(f"kvdemo.{module}"), name)(*args)
 
     return call
 
@@ -176,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:  # ModelLoadError, DocumentError are ValueErrors
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except MemoryError:
-        print("error: out of memory: try fewer tokens or a lower precision", file=sys.stderr)
+    except (MemoryError, torch.OutOfMemoryError):
+        print("error: out of memory: try fewer tokens or a lower precision (int4, int2)", file=sys.stderr)
         return 2
     if isinstance(out, str):
         print(out)

@@ -84,6 +84,13 @@ def attend(query: torch.Tensor, view: CacheView, scaling: float, attention_mask=
             enable_gqa=True,
         )
         return out
+    if n == 1 and mask is None and view.stored_exactly():
+        # one decode step whose token the cache still holds exactly (sink or residual): it is just one
+        # more full-precision key of the stored past, so one pass over past + new, no merge
+        out, lse = past_attention(query, view.layer.packed(past + 1), scaling)
+        for fn in observers:
+            fn(view=view, query=query, scaling=scaling, mask=mask, out=out, lse=lse)
+        return out.to(query.dtype)
     if n <= DECODE_MAX_QUERIES:
         packed = view.packed()
         past_mask = None if mask is None else mask[..., :past]

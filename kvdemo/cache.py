@@ -95,22 +95,40 @@ class CacheView:
     def packed(self) -> PackedKV:
         return self.layer.packed(self.past_len)
 
+    def stored_exactly(self) -> bool:
+        """True when the layer holds this call's tokens in full precision (sinks or residual, not codes)."""
+        layer = self.layer
+        return self.past_len >= layer.quant_len or self.past_len + self.keys.shape[-2] <= layer.sinks
+
 
 class _Growable:
-    """A tensor with spare capacity along one dim, doubled when full (amortized O(1) appends)."""
+    """A tensor with spare capacity along one dim: appends write in place until it is full.
+
+    Capacity grows to what is needed plus 1/16 (at least 4 rows), so the memory a cache holds stays
+    within ~6% of its live bytes (doubling would hold up to 2x and halve the saving quantization buys).
+    A growth copies the buffer once; a quantized buffer grows at most once per flushed block, while
+    decoding reads the whole cache every token, so the copies are a small fraction of the work.
+    """
+
+    SPARE = 16  # spare capacity = needed // SPARE rows, at least MIN_ROWS
+    MIN_ROWS = 4
 
     def __init__(self, dim: int):
         self.dim, self.data, self.length = dim, None, 0
+
+    @classmethod
+    def capacity(cls, needed: int) -> int:
+        return needed + max(cls.MIN_ROWS, needed // cls.SPARE)
 
     def append(self, x: torch.Tensor) -> None:
         n = x.shape[self.dim]
         if self.data is None:
             shape = list(x.shape)
-            shape[self.dim] = max(2 * n, 16)
+            shape[self.dim] = self.capacity(n)
             self.data = torch.empty(shape, dtype=x.dtype, device=x.device)
         elif self.length + n > self.data.shape[self.dim]:
             shape = list(self.data.shape)
-            shape[self.dim] = max(2 * shape[self.dim], self.length + n)
+            shape[self.dim] = self.capacity(self.length + n)
             bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
             bigger.narrow(self.dim, 0, self.length).copy_(self.view())
             self.data = bigger
@@ -124,9 +142,9 @@ class _Growable:
         """Remove the first n entries (the remainder moves to the front)."""
         keep = self.length - n
         rest = self.data.narrow(self.dim, n, keep).clone()
-        if self.data.shape[self.dim] > 4 * max(keep, 256):  # a long prefill passed through: give memory back
+        if self.data.shape[self.dim] > 2 * self.capacity(keep):  # e.g. a long prefill passed through: give it back
             shape = list(self.data.shape)
-            shape[self.dim] = 2 * max(keep, 256)
+            shape[self.dim] = self.capacity(keep)
             self.data = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
         self.data.narrow(self.dim, 0, keep).copy_(rest)
         self.length = keep

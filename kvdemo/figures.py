@@ -364,6 +364,14 @@ def _needle_panels(precisions: list[str], title: str) -> go.Figure:
     return fig
 
 
+def _needle_panel(fig: go.Figure, col: int, z: list, text: list, lengths: list, depths: list, **style) -> None:
+    """One depth x length heatmap panel (column `col`), cells labelled with `text`."""
+    x, y = [str(n) for n in lengths], [f"{d:g}%" for d in depths]
+    heat = go.Heatmap(z=z, x=x, y=y, text=text, texttemplate="%{text}", xgap=2, ygap=2, **style)
+    fig.add_trace(heat, row=1, col=col)
+    fig.update_xaxes(title_text="prompt tokens", type="category", row=1, col=col)
+
+
 def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
     """Depth (down) x prompt length (across), one panel per precision, coloured by `value`:
     "correct" (exact match), "answer_prob" (teacher-forced p of the true answer) or "answer_logprob".
@@ -372,25 +380,19 @@ def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
     fig = _needle_panels(precisions, f"Needle in a haystack: {_NEEDLE_VALUES.get(value, value)} by depth and length")
     bounded = value in ("correct", "answer_prob")
     for i, label in enumerate(precisions, start=1):
-        fig.add_trace(
-            go.Heatmap(
-                z=_needle_grid(rows, label, lengths, depths, value),
-                x=[str(n) for n in lengths],
-                y=[f"{d:g}%" for d in depths],
-                text=_needle_texts(rows, label, lengths, depths),
-                texttemplate="%{text}",
-                colorscale=_NEEDLE_SCALE if bounded else "Viridis",
-                zmin=0.0 if bounded else None,
-                zmax=1.0 if bounded else None,
-                showscale=i == len(precisions),
-                hovertemplate=label + ": %{x} tokens, depth %{y}<br>%{text}<extra></extra>",
-                xgap=2,
-                ygap=2,
-            ),
-            row=1,
-            col=i,
+        _needle_panel(
+            fig,
+            i,
+            _needle_grid(rows, label, lengths, depths, value),
+            _needle_texts(rows, label, lengths, depths),
+            lengths,
+            depths,
+            colorscale=_NEEDLE_SCALE if bounded else "Viridis",
+            zmin=0.0 if bounded else None,
+            zmax=1.0 if bounded else None,
+            showscale=i == len(precisions),
+            hovertemplate=label + ": %{x} tokens, depth %{y}<br>%{text}<extra></extra>",
         )
-        fig.update_xaxes(title_text="prompt tokens", type="category", row=1, col=i)
     fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category", row=1, col=1)
     return fig
 
@@ -413,25 +415,19 @@ def needle_difference_figure(result, baseline: str = "full", value: str = "answe
         ]
     span = max([abs(v) for d in diffs.values() for r in d for v in r if v is not None] + [1e-3])
     for i, (label, diff) in enumerate(diffs.items(), start=1):
-        fig.add_trace(
-            go.Heatmap(
-                z=diff,
-                x=[str(n) for n in lengths],
-                y=[f"{d:g}%" for d in depths],
-                text=[["" if v is None else f"{v:+.2f}" for v in r] for r in diff],
-                texttemplate="%{text}",
-                colorscale="RdBu",
-                zmin=-span,
-                zmax=span,  # one scale for every panel
-                showscale=i == len(others),
-                hovertemplate=label + f" - {baseline}: " + "%{x} tokens, depth %{y}: %{text}<extra></extra>",
-                xgap=2,
-                ygap=2,
-            ),
-            row=1,
-            col=i,
+        _needle_panel(
+            fig,
+            i,
+            diff,
+            [["" if v is None else f"{v:+.2f}" for v in r] for r in diff],
+            lengths,
+            depths,
+            colorscale="RdBu",
+            zmin=-span,
+            zmax=span,  # one scale for every panel
+            showscale=i == len(others),
+            hovertemplate=label + f" - {baseline}: " + "%{x} tokens, depth %{y}: %{text}<extra></extra>",
         )
-        fig.update_xaxes(title_text="prompt tokens", type="category", row=1, col=i)
     fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category", row=1, col=1)
     return fig
 

@@ -13,9 +13,11 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -145,7 +147,10 @@ def load_model(source: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "
             raise ModelLoadError(f"model folder not found: {source}")
         if looks_local and not list(path.glob("*.safetensors")):
             raise ModelLoadError(f"{source} has no .safetensors weights (pickle checkpoints are not loaded)")
-        model, tok = _from_pretrained(str(path) if looks_local else source, dt, local_only=looks_local)
+        if looks_local:
+            model, tok = _from_pretrained(str(path), dt, local_only=True)
+        else:
+            model, tok = _from_hub(source, dt)
         name = source
     model.to(dev).eval()
     from .attention import use_kvdemo_attention
@@ -156,10 +161,58 @@ def load_model(source: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "
     return LoadedModel(model, tok, name, source, dev, dt)
 
 
-def _from_pretrained(where: str, dtype: torch.dtype, gguf_file: str | None = None, local_only: bool = False):
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the model hub answers a TCP connection (False at once under HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def _from_hub(model_id: str, dtype: torch.dtype):
+    """A hub id: from the local Hugging Face cache when it is there (works offline), else downloaded.
+
+    Without network, one clear error at once, instead of huggingface_hub's retries (~30 s of warnings).
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        raise ModelLoadError(
+            f"{model_id!r} is neither an existing folder nor a valid model id (like HuggingFaceTB/SmolLM2-360M-Instruct)"
+        ) from None
+    try:
+        return _from_pretrained(model_id, dtype, local_only=True, hub_cache_only=True)
+    except ModelLoadError as cached_err:
+        if "not a causal language model" in str(cached_err):
+            raise
+    if not hub_reachable():
+        raise ModelLoadError(
+            f"cannot download {model_id!r}: no network access to the model hub and it is not in the local "
+            "Hugging Face cache (use a local folder or the embedded model)"
+        )
+    return _from_pretrained(model_id, dtype)
+
+
+def _from_pretrained(
+    where: str,
+    dtype: torch.dtype,
+    gguf_file: str | None = None,
+    local_only: bool = False,
+    hub_cache_only: bool = False,
+):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"trust_remote_code": False}
+    if hub_cache_only:
+        kwargs["local_files_only"] = True
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:

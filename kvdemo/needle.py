@@ -796,8 +796,9 @@ def save_results(result: NeedleResult | dict, folder: str | Path) -> dict:
 # --- CLI ----------------------------------------------------------------------------------------------------
 
 
-def _numbers(text: str, what: str, cast) -> list:
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
+def parse_numbers(text: str, what: str, cast) -> list:
+    """Comma-separated numbers (duplicates dropped, order kept), or a NeedleError naming `what`."""
+    items = [t.strip() for t in str(text).replace(";", ",").split(",") if t.strip()]
     try:
         values = [cast(t) for t in items]
     except ValueError:
@@ -824,8 +825,8 @@ def run_cli(args) -> dict:
     from .models import load_model
 
     specs = _specs_with_full(args.precision)
-    lengths = _numbers(args.lengths, "--lengths", int)
-    depths = _numbers(args.depths, "--depths", float)
+    lengths = parse_numbers(args.lengths, "--lengths", int)
+    depths = parse_numbers(args.depths, "--depths", float)
     for d in depths:
         if not 0 <= d <= 100:
             raise NeedleError(f"--depths: {d:g} is outside 0..100 (percent of the haystack)")

@@ -198,12 +198,24 @@ def test_every_page_in_chromium(server, page, tmp_path):
         idle(page)
     shoot(page, shots, "chat")
 
-    # Needle: a small grid draws its heatmaps.
+    # Needle: a grid cancelled mid-way keeps the cells it finished and frees the model for the next run.
     goto(page, "Needle")
+    fill(page, "Prompt lengths (tokens)", "1024,2048")
+    fill(page, "Depths (% of the haystack)", "0,50,100")
+    page.get_by_role("button", name="Run grid").click()
+    page.get_by_text(re.compile(r"^1/24: ")).wait_for(timeout=MODEL_WORK_S * 1000)
+    page.get_by_role("button", name="Cancel").click()
+    page.get_by_text(re.compile(r"Cancelled: kept the \d+ runs finished so far")).wait_for(timeout=MODEL_WORK_S * 1000)
+    idle(page)
+    no_exception(page)
+
+    # Needle: a small grid draws its heatmaps.
     fill(page, "Prompt lengths (tokens)", SIZES["lengths"])
     fill(page, "Depths (% of the haystack)", SIZES["depths"])
     page.get_by_role("button", name="Run grid").click()
-    page.locator(".js-plotly-plot").first.wait_for(timeout=MODEL_WORK_S * 1000 * (4 if REFRESH else 1))
+    runs = len(SIZES["lengths"].split(",")) * len(SIZES["depths"].split(",")) * 4  # full, int8, int4, int2
+    finished = page.get_by_text(re.compile(rf"passkey needle in filler: {runs} runs"))
+    finished.wait_for(timeout=MODEL_WORK_S * 1000 * (4 if REFRESH else 1))
     idle(page, MODEL_WORK_S * (4 if REFRESH else 1))
     no_exception(page)
     assert page.locator(".js-plotly-plot").count() == 3

@@ -107,3 +107,45 @@ def test_cli_generate_side_by_side(tmp_path):
     out = json.loads(run.stdout)
     assert [r["precision"] for r in out["results"]] == ["full", "int4"]
     assert all(len(r["tokens"]) >= 1 and r["decode_tok_s"] >= 0 for r in out["results"])
+
+
+def test_hub_id_without_network_is_one_line_and_a_cached_hub_model_loads_offline(tmp_path):
+    """No network: a hub id not in the local cache fails at once with one line (no retry noise); a hub id
+    that is in the Hugging Face cache (what a user who downloaded it before has) loads without network."""
+    import os
+    import shutil
+
+    from kvdemo.models import _converted_default
+
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+
+    def info(model):
+        cmd = [sys.executable, "-m", "kvdemo", "info", "--json", "--model", model]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+    missing = info("HuggingFaceTB/SmolLM2-360M-Instruct")
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.count("\n") == 1 and "no network access" in missing.stderr, missing.stderr
+    invalid = info("not a model id!")
+    assert invalid.returncode == 2 and "neither an existing folder nor a valid model id" in invalid.stderr
+
+    snapshot = tmp_path / "hub" / "models--kvdemo-test--tiny-smollm2" / "snapshots" / ("0" * 40)
+    shutil.copytree(_converted_default(), snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    cached = info("kvdemo-test/tiny-smollm2")
+    assert cached.returncode == 0, cached.stderr
+    assert json.loads(cached.stdout)["layers"] == 30
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, MemoryError])
+def test_cli_out_of_memory_is_one_line_and_exit_2(monkeypatch, capsys, error):
+    from kvdemo import __main__ as cli
+
+    def oom(args):
+        raise error("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(cli, "cmd_info", oom)
+    assert cli.main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: out of memory") and "lower precision" in err
