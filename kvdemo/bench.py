@@ -83,7 +83,7 @@ class BenchSizes:
     chunk: int = DECODE_MAX_QUERIES  # tokens per scoring forward (<= 16: kvdemo's decode path)
     new_tokens: int = 32  # timed decode steps per round
     warmup_steps: int = 2  # untimed decode steps before the first timed round
-    rounds: int = 2  # decode rounds; the best one counts
+    rounds: int = 4  # decode rounds; the best one counts
     needle_lengths: tuple[int, ...] = (1024, 4096)
     needle_depths: tuple[int, ...] = (10, 50, 90)  # percent of the haystack
     warmup_tokens: int = 160  # prompt of the set-up probe (more than one residual window)
