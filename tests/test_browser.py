@@ -117,7 +117,7 @@ def page():
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
-            ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+            ctx = browser.new_context(viewport={"width": 1400, "height": 1900 if REFRESH else 1000})  # README: the figures too
             pg = ctx.new_page()
             pg.set_default_timeout(UI_S * 1000)
             yield pg
