@@ -10,6 +10,8 @@ from app_pages import common
 from kvdemo.chat import Answer, ChatError, ChatSession, Turn, divergence_split
 from kvdemo.runner import Cancelled
 
+STOPPING_WAIT_S = 60  # a stopped answer ends at its next token (a prefill chunk at the most)
+
 lm = common.model()
 spec = common.spec()
 st.title("Chat with a document")
@@ -19,6 +21,11 @@ st.caption(
 )
 
 session: ChatSession | None = st.session_state.get("chat_session")
+if session is not None and not session.wait_idle(timeout=0.05):
+    with st.spinner("Stopping the previous answer..."):
+        if not session.wait_idle(timeout=STOPPING_WAIT_S):
+            st.warning("The previous answer is still stopping: reload the page in a few seconds.")
+            st.stop()
 with st.expander("Document", expanded=session is None or not session.turns):
     doc = common.document_picker(lm, key="doc")
 doc_text = doc["text"] if doc else ""

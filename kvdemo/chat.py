@@ -163,6 +163,7 @@ class ChatSession:
         self.baseline = parse_precision(baseline)
         self.document = document.strip()
         self.turns: list[Turn] = []
+        self._running = threading.Lock()  # held by ask() / prepare(): see wait_idle()
         self._lanes = [_Lane(self.baseline, self._system()), _Lane(parse_precision(spec), self._system())]
 
     # --- state ------------------------------------------------------------------------------------
@@ -202,6 +203,18 @@ class ChatSession:
         self._lanes[1] = _Lane(spec, [dict(m) for m in base.messages])
         _free_memory(self.lm.device)
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no ask() / prepare() of this session is running; False if one still is after `timeout` s.
+
+        A run stopped from the UI can still be unwinding in its old script thread (Streamlit may start
+        the next run before the stopped one has reached its next yield point); the page waits here so
+        it shows the stopped turn and never changes the session under a running turn.
+        """
+        if not self._running.acquire(timeout=timeout):
+            return False
+        self._running.release()
+        return True
+
     def cache_bytes(self) -> dict[str, int]:
         """Live bytes of each lane's cache now (0 for a lane not prefilled yet)."""
         return {lane.label: lane.cache.nbytes()["total"] if lane.cache is not None else 0 for lane in self._lanes}
@@ -232,7 +245,7 @@ class ChatSession:
         self._check_context(max(map(len, plans)), 0)
         fed = {}
         try:
-            with model_lock(self.lm, on_wait, should_stop):
+            with self._running, model_lock(self.lm, on_wait, should_stop):
                 for lane, ids in zip(self._lanes, plans, strict=True):
                     answer = Answer(lane.label)
                     if lane.cache is None or lane.ids[: len(ids)] != ids:  # not prefilled yet
@@ -267,7 +280,7 @@ class ChatSession:
         plans = [chat_ids(self.lm, m) for m in msgs]
         self._check_context(max(map(len, plans)), max_new_tokens)
         answers = [Answer(lane.label) for lane in self._lanes]
-        with model_lock(self.lm, on_wait, should_stop) as waited:
+        with self._running, model_lock(self.lm, on_wait, should_stop) as waited:
             try:
                 for lane, ids, answer in zip(self._lanes, plans, answers, strict=True):
                     self._answer(lane, ids, answer, max_new_tokens, on_token, on_progress, should_stop)

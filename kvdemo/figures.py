@@ -267,7 +267,7 @@ def bench_ppl_figure(report: dict) -> go.Figure:
 def bench_speed_figure(report: dict) -> go.Figure:
     """Warm decode tokens/s, per contender and context length."""
     return _bench_bars(
-        report, "decode_tok_s", report["sizes"]["contexts"], "context", "Decode speed (warm, best round)", "tokens/s"
+        report, "decode_tok_s", report["sizes"]["contexts"], "context", "Decode speed (warm, median round)", "tokens/s"
     )
 
 

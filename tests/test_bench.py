@@ -192,7 +192,8 @@ def test_quick_bench_values_are_sane(quick_report, lm):
         for c in ctx:
             assert r["ratio_vs_fp16"][c] == pytest.approx(fp16_per_token * int(c) / r["cache_bytes"][c], rel=1e-3)
             assert r["decode_tok_s"][c] > 0 and r["prefill_s"][c] > 0
-            assert r["decode_tok_s"][c] == max(r["decode_tok_s_rounds"][c])
+            rounds = sorted(r["decode_tok_s_rounds"][c])
+            assert rounds[0] <= r["decode_tok_s"][c] <= rounds[-1]  # the median
             if name != "full":
                 assert r["ratio_vs_fp16"][c] > 1.5, name
         for n in lengths:

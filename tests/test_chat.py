@@ -148,6 +148,33 @@ def test_exception_from_a_callback_releases_lock_and_keeps_chat(lm, session):
 
 
 @pytest.mark.model
+def test_wait_idle_until_a_stopped_turn_in_another_thread_has_unwound(lm, session):
+    """Streamlit may start the next page run while a stopped one still unwinds in its old thread: the page
+    waits with wait_idle() and then sees the stopped turn recorded."""
+    streaming, stop = threading.Event(), threading.Event()
+
+    def on_token(label, token, piece):
+        streaming.set()
+        stop.wait(30)
+        raise Boom()  # the old run reaches its next yield point and stops
+
+    def old_run():
+        with pytest.raises(Boom):
+            session.ask("Who founded Zorblat?", max_new_tokens=NEW, on_token=on_token)
+
+    worker = threading.Thread(target=old_run)
+    worker.start()
+    assert streaming.wait(60)
+    assert not session.wait_idle(timeout=0.2) and session.turns == []
+    stop.set()
+    assert session.wait_idle(timeout=60)
+    worker.join(60)
+    (turn,) = session.turns
+    assert turn.cancelled and len(turn.answers[0].tokens) == 1
+    assert not lm.lock.locked() and session.wait_idle(timeout=0)
+
+
+@pytest.mark.model
 def test_exception_inside_a_forward_pass_drops_only_that_cache(lm, session):
     session.prepare()
     layer = lm.model.model.layers[7]
