@@ -22,8 +22,9 @@ from kvdemo.memory import (
 )
 from kvdemo.precision import parse_precision_list
 
-REPORTS_DIR = Path(__file__).resolve().parent.parent / "reports"
-SHIPPED_REPORT_DIR = Path(__file__).resolve().parent.parent / "assets" / "reports"
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS_DIR = ROOT / "reports"  # your `python -m kvdemo bench` runs
+SHIPPED_REPORT_DIR = ROOT / "assets" / "reports"  # the report measured for README
 DEFAULT_PRECISIONS = ["full", "fp8", "int8", "k8v4", "int4", "int2"]
 
 lm = common.model()

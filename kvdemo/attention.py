@@ -84,29 +84,26 @@ def attend(query: torch.Tensor, view: CacheView, scaling: float, attention_mask=
             enable_gqa=True,
         )
         return out
+    if n > DECODE_MAX_QUERIES:
+        past_k, past_v = view.packed().dequantized()
+        keys = torch.cat([past_k, view.keys], dim=-2).to(query.dtype)
+        values = torch.cat([past_v, view.values], dim=-2).to(query.dtype)
+        causal = torch.ones(n, past + n, dtype=torch.bool, device=query.device).tril(diagonal=past)
+        full_mask = causal if mask is None else (mask & causal)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=full_mask, scale=scaling, enable_gqa=True)
     if n == 1 and mask is None and view.stored_exactly():
         # one decode step whose token the cache still holds exactly (sink or residual): it is just one
         # more full-precision key of the stored past, so one pass over past + new, no merge
         out, lse = past_attention(query, view.layer.packed(past + 1), scaling)
-        for fn in observers:
-            fn(view=view, query=query, scaling=scaling, mask=mask, out=out, lse=lse)
-        return out.to(query.dtype)
-    if n <= DECODE_MAX_QUERIES:
-        packed = view.packed()
+    else:
         past_mask = None if mask is None else mask[..., :past]
         new_mask = None if mask is None else mask[..., past : past + n]
-        out_p, lse_p = past_attention(query, packed, scaling, past_mask)
+        out_p, lse_p = past_attention(query, view.packed(), scaling, past_mask)
         out_n, lse_n = _new_token_attention(query, view.keys, view.values, scaling, new_mask)
         out, lse = merge(out_p, lse_p, out_n, lse_n)
-        for fn in observers:
-            fn(view=view, query=query, scaling=scaling, mask=mask, out=out, lse=lse)
-        return out.to(query.dtype)
-    past_k, past_v = view.packed().dequantized()
-    keys = torch.cat([past_k, view.keys], dim=-2).to(query.dtype)
-    values = torch.cat([past_v, view.values], dim=-2).to(query.dtype)
-    causal = torch.ones(n, past + n, dtype=torch.bool, device=query.device).tril(diagonal=past)
-    full_mask = causal if mask is None else (mask & causal)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=full_mask, scale=scaling, enable_gqa=True)
+    for fn in observers:
+        fn(view=view, query=query, scaling=scaling, mask=mask, out=out, lse=lse)
+    return out.to(query.dtype)
 
 
 def kvdemo_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

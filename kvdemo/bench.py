@@ -563,8 +563,7 @@ def goals(report: dict) -> list[dict]:
         | {"measured": measured}
     )
     if a and b:
-        rounds = (a.get("decode_tok_s_rounds", {}).get(big_ctx), b.get("decode_tok_s_rounds", {}).get(big_ctx))
-        speed = paired_ratio(*rounds) if all(rounds) else a["decode_tok_s"][big_ctx] / b["decode_tok_s"][big_ctx]
+        speed = paired_ratio(a["decode_tok_s_rounds"][big_ctx], b["decode_tok_s_rounds"][big_ctx])
         measured = {"kvdemo-int4": a["decode_tok_s"][big_ctx], "hf-quanto-int4": b["decode_tok_s"][big_ctx]}
         out.append(
             {

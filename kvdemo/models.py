@@ -31,6 +31,10 @@ class ModelLoadError(ValueError):
     """A model that cannot be loaded, with a message fit for a user."""
 
 
+class NotCausalLMError(ModelLoadError):
+    """The weights load, but they are not a causal language model."""
+
+
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
@@ -189,10 +193,11 @@ def _from_hub(model_id: str, dtype: torch.dtype):
             f"{model_id!r} is neither an existing folder nor a valid model id (like HuggingFaceTB/SmolLM2-360M-Instruct)"
         ) from None
     try:
-        return _from_pretrained(model_id, dtype, local_only=True, hub_cache_only=True)
-    except ModelLoadError as cached_err:
-        if "not a causal language model" in str(cached_err):
-            raise
+        return _from_pretrained(model_id, dtype, local_only=True)
+    except NotCausalLMError:
+        raise
+    except ModelLoadError:
+        pass  # not in the local Hugging Face cache
     if not hub_reachable():
         raise ModelLoadError(
             f"cannot download {model_id!r}: no network access to the model hub and it is not in the local "
@@ -201,18 +206,11 @@ def _from_hub(model_id: str, dtype: torch.dtype):
     return _from_pretrained(model_id, dtype)
 
 
-def _from_pretrained(
-    where: str,
-    dtype: torch.dtype,
-    gguf_file: str | None = None,
-    local_only: bool = False,
-    hub_cache_only: bool = False,
-):
+def _from_pretrained(where: str, dtype: torch.dtype, gguf_file: str | None = None, local_only: bool = False):
+    """local_only: a folder on disk or a hub id read from the local cache only (no download)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"trust_remote_code": False}
-    if hub_cache_only:
-        kwargs["local_files_only"] = True
+    kwargs = {"trust_remote_code": False, "local_files_only": local_only}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     try:
@@ -222,7 +220,7 @@ def _from_pretrained(
     except ValueError as err:
         raise ModelLoadError(f"cannot load {where}: {_first_line(err)}") from None
     if not _is_causal_lm(config):
-        raise ModelLoadError(f"{where} is not a causal language model ({type(config).__name__})")
+        raise NotCausalLMError(f"{where} is not a causal language model ({type(config).__name__})")
     try:
         tok = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, use_safetensors=not gguf_file, **kwargs)

@@ -103,6 +103,7 @@ def _synthetic(ppl_ours, ppl_theirs, speed_ours, speed_theirs, ratio_ours, ratio
             "contender": name,
             "ppl_delta": {"4096": ppl_delta},
             "decode_tok_s": {"4096": speed},
+            "decode_tok_s_rounds": {"4096": [speed]},
             "ratio_vs_fp16": {"4096": ratio},
             "setup_s": 1.0,
         }
