@@ -10,8 +10,15 @@ Measured in the same run, on one GPU:
    head_dim 128), contexts 4k-128k, batch 1-16. SDPA runs twice, with `enable_gqa=True` and with
    the 4 query heads of a group folded into 4 query rows (the same math for decode, one K/V read),
    and the faster counts. Also: the memory-bound limit (16-bit bytes / packed bytes read) and, at the
-   shortest context, the kernel's max error against the PyTorch reference;
-4. end-to-end decode tokens/s with the embedded model (and any `--models`), per precision and backend.
+   shortest context, the kernel's max error against the PyTorch reference, in units of max(1, |out|);
+4. launch settings (tokens per tile, warps, pipeline stages) swept at the goal point (64k, batch 8),
+   int4 and int8: the defaults are judged, the best is reported beside them;
+5. end-to-end decode tokens/s per model, precision and backend: the embedded model where it is
+   installed, and `random:<config>` models (assets/model_configs, random weights: tokens/s does not
+   depend on weight values, and the device machine cannot take the 94 MB embedded model along).
+
+Quantize also checks that the kernel's bytes equal the PyTorch reference's on the GPU. Each section
+that fails is recorded with its error and the rest still run; the JSON is rewritten after each.
 
 Goals (issue 3, H200): int4 >= 2.5x SDPA at 64k context, batch 8; int8 >= 1.7x; quantize >= 60% of copy.
 
@@ -32,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -49,6 +57,7 @@ FULL_DEFAULTS = {
     "e2e_prompt": 4096,
     "e2e_tokens": 64,
     "e2e_precisions": "full,int8,int4",
+    "models": "embedded,random:llama-3.1-8b",
 }
 SMOKE_DEFAULTS = {
     "contexts": "96,200",
@@ -58,7 +67,9 @@ SMOKE_DEFAULTS = {
     "e2e_prompt": 48,
     "e2e_tokens": 2,
     "e2e_precisions": "full,int4",
+    "models": "embedded",
 }
+SWEEP = {"block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (2, 3)}
 GOALS = {"int4_speedup_64k_b8": 2.5, "int8_speedup_64k_b8": 1.7, "quantize_fraction_of_copy": 0.6}
 
 
@@ -80,12 +91,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quant-formats", default="int8,int4,int2,fp8_e4m3,fp8_e5m2")
     p.add_argument("--group", type=int, default=None, help="default 128 (smoke: 32)")
     p.add_argument("--residual", type=int, default=None, help="default 128 (smoke: 32)")
-    p.add_argument("--models", default="embedded", help="models for end-to-end tokens/s ('' to skip)")
+    p.add_argument(
+        "--models",
+        default=None,
+        help="end-to-end models: embedded, a hub id or folder, random:<assets/model_configs name> ('' to skip); "
+        "default embedded,random:llama-3.1-8b (smoke: embedded)",
+    )
     p.add_argument("--e2e-prompt", type=int, default=None, help="prompt tokens, default 4096 (smoke: 48)")
     p.add_argument("--e2e-tokens", type=int, default=None, help="new tokens per run, default 64 (smoke: 2)")
     p.add_argument("--e2e-precisions", default=None, help="default full,int8,int4 (smoke: full,int4)")
     p.add_argument("--e2e-backends", default="torch,triton")
-    p.add_argument("--time-budget-s", type=float, default=480.0, help="decode rows past this are skipped")
+    p.add_argument("--sweep", default="auto", help="launch-setting sweep: auto (full runs), on, off")
+    p.add_argument("--time-budget-s", type=float, default=420.0, help="decode rows past this are skipped")
     args = p.parse_args(argv)
     defaults = SMOKE_DEFAULTS if args.smoke else FULL_DEFAULTS
     for name, value in defaults.items():
@@ -133,6 +150,7 @@ def bench_copy(device: torch.device, smoke: bool) -> dict:
 
 
 def bench_quantize(device: torch.device, args, copy_gb_s: float) -> list[dict]:
+    from kvdemo.quant import reference
     from kvdemo.quant import triton_kernels as tk
 
     shape = (1, 2, 256, 64) if args.smoke else (8, 8, 32768, 128)  # 512 MiB of fp16 at full size
@@ -147,6 +165,12 @@ def bench_quantize(device: torch.device, args, copy_gb_s: float) -> list[dict]:
                 tk.quantize_into(x, fmt, axis, group, q.codes, q.scale, q.zero)
 
             us = time_us(run, device, args.smoke)
+            want = reference.quantize(x[:, :, :1024], fmt, axis, group)  # a slice: the reference's temporaries
+            got = tk.quantize(x[:, :, :1024], fmt, axis, group)
+            same = all(
+                (a is None and b is None) or torch.equal(a, b)
+                for a, b in ((got.codes, want.codes), (got.scale, want.scale), (got.zero, want.zero))
+            )
             written = sum(q.nbytes().values())
             moved = x.numel() * x.element_size() + written
             rows.append(
@@ -159,6 +183,7 @@ def bench_quantize(device: torch.device, args, copy_gb_s: float) -> list[dict]:
                     "us": us,
                     "gb_s": moved / us / 1e3,
                     "fraction_of_copy": moved / us / 1e3 / copy_gb_s,
+                    "bit_identical_to_reference": same,
                 }
             )
     return rows
@@ -201,16 +226,37 @@ def make_packed(keys: torch.Tensor, values: torch.Tensor, spec, tk):
     )
 
 
-def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
+def decode_inputs(batch: int, ctx: int, shape: dict, device: torch.device):
+    """Random 16-bit keys, values [B, Hkv, T, D] and one decode query [B, Hq, 1, D] (seeded by the size)."""
+    hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    gen = torch.Generator(device=device).manual_seed(batch * 1_000_003 + ctx)
+    keys = torch.randn((batch, hkv, ctx, d), device=device, dtype=torch.float16, generator=gen)
+    values = torch.randn((batch, hkv, ctx, d), device=device, dtype=torch.float16, generator=gen)
+    query = torch.randn((batch, hq, 1, d), device=device, dtype=torch.float16, generator=gen)
+    return keys, values, query
+
+
+def sdpa_us(keys, values, query, device: torch.device, smoke: bool) -> tuple[float, float]:
+    """Microseconds of SDPA over the 16-bit cache: (enable_gqa=True, the group's heads folded into rows)."""
     import torch.nn.functional as F
 
+    b, hq, _, d = query.shape
+    folded = query.view(b, keys.shape[1], hq // keys.shape[1], d)  # the same math for one decode query
+    scale = d**-0.5
+    us_gqa = time_us(
+        lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True), device, smoke
+    )
+    us_fold = time_us(lambda: F.scaled_dot_product_attention(folded, keys, values, scale=scale), device, smoke)
+    return us_gqa, us_fold
+
+
+def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
     from kvdemo.precision import parse_precision
     from kvdemo.quant import reference
     from kvdemo.quant import triton_kernels as tk
 
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
     hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
-    dtype = torch.float16
     scale = d**-0.5
     contexts, batches = _ints(args.contexts), _ints(args.batches)
     rows = []
@@ -224,31 +270,19 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
             if device.type == "cuda" and need > 0.9 * torch.cuda.mem_get_info(device)[0]:
                 rows.extend(base | {"format": f, "skipped": "memory"} for f in _names(args.formats))
                 continue
-            gen = torch.Generator(device=device).manual_seed(batch * 1_000_003 + ctx)
-            keys = torch.randn((batch, hkv, ctx, d), device=device, dtype=dtype, generator=gen)
-            values = torch.randn((batch, hkv, ctx, d), device=device, dtype=dtype, generator=gen)
-            query = torch.randn((batch, hq, 1, d), device=device, dtype=dtype, generator=gen)
-            folded = query.view(batch, hkv, hq // hkv, d)  # the group's heads as query rows (decode only)
-
-            def sdpa_gqa(q=query, k=keys, v=values):
-                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-
-            def sdpa_folded(q=folded, k=keys, v=values):
-                return F.scaled_dot_product_attention(q, k, v, scale=scale)
-
-            us_gqa = time_us(sdpa_gqa, device, args.smoke)
-            us_fold = time_us(sdpa_folded, device, args.smoke)
-            sdpa_us = min(us_gqa, us_fold)
+            keys, values, query = decode_inputs(batch, ctx, shape, device)
+            us_gqa, us_fold = sdpa_us(keys, values, query, device, args.smoke)
+            sdpa = min(us_gqa, us_fold)
             bytes16 = 2 * keys.numel() * keys.element_size()
             for fmt in _names(args.formats):
                 spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
                 kv = make_packed(keys, values, spec, tk)
                 tri_us = time_us(lambda q=query, kv=kv: tk.past_attention(q, kv, scale), device, args.smoke)
                 err = None
-                if ctx == contexts[0]:
+                if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
                     got = tk.past_attention(query, kv, scale)[0]
                     want = reference.past_attention(query, kv, scale)[0]
-                    err = float((got - want).abs().max())
+                    err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
                 packed_bytes = tk.kv_bytes_read(kv)
                 rows.append(
                     base
@@ -256,42 +290,136 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
                         "format": fmt,
                         "precision": spec.label,
                         "triton_us": tri_us,
-                        "sdpa_us": sdpa_us,
+                        "sdpa_us": sdpa,
                         "sdpa_gqa_us": us_gqa,
                         "sdpa_folded_us": us_fold,
-                        "speedup": sdpa_us / tri_us,
+                        "speedup": sdpa / tri_us,
                         "memory_bound_limit": bytes16 / packed_bytes,
                         "triton_gb_s": packed_bytes / tri_us / 1e3,
-                        "sdpa_gb_s": bytes16 / sdpa_us / 1e3,
-                        "max_abs_err_vs_reference": err,
+                        "sdpa_gb_s": bytes16 / sdpa / 1e3,
+                        "max_err_vs_reference": err,
                     }
                 )
-            keys = values = query = folded = kv = None  # free this size before the next
+            keys = values = query = kv = None  # free this size before the next
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
 
 
-# --- 4. end-to-end tokens/s -----------------------------------------------------------------------
+# --- 4. launch settings ---------------------------------------------------------------------------
+
+
+def bench_sweep(device: torch.device, args) -> list[dict]:
+    """Decode time per launch setting at the goal point (64k context, batch 8; smoke: the last context and
+    batch given), int4 and int8, beside SDPA at the same point. `default` marks `launch_config`'s choice."""
+    from kvdemo.precision import parse_precision
+    from kvdemo.quant import triton_kernels as tk
+
+    shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
+    ctx = _ints(args.contexts)[-1] if args.smoke else 65536
+    batch = _ints(args.batches)[-1] if args.smoke else 8
+    keys, values, query = decode_inputs(batch, ctx, shape, device)
+    sdpa = min(sdpa_us(keys, values, query, device, args.smoke))
+    block_n, warps = tk.launch_config(shape["head_dim"], 16)
+    rows = []
+    settings = [(n, w, st) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]]
+    for fmt in ("int4", "int8"):
+        kv = make_packed(keys, values, parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}"), tk)
+        for n, w, st in settings[:2] if args.smoke else settings:
+
+            def run(kv=kv, n=n, w=w, st=st):
+                return tk.past_attention(query, kv, shape["head_dim"] ** -0.5, block_n=n, num_warps=w, num_stages=st)
+
+            us = time_us(run, device, args.smoke)
+            rows.append(
+                {"format": fmt, "context": ctx, "batch": batch, "block_n": n, "num_warps": w, "num_stages": st}
+                | {"us": us, "speedup": sdpa / us, "sdpa_us": sdpa, "default": (n, w, st) == (block_n, warps, 3)}
+            )
+    return rows
+
+
+# --- 5. end-to-end tokens/s -----------------------------------------------------------------------
+
+
+class IdsOnlyTokenizer:
+    """The tokenizer of a random-weights model: its token ids stand for no text."""
+
+    eos_token_id = unk_token_id = chat_template = None
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def convert_tokens_to_ids(self, token: str):
+        return None
+
+
+def random_model(name: str, device: torch.device):
+    """A Llama-architecture model with the shapes of assets/model_configs/<name>.json and random weights,
+    in fp16 on CUDA (fp32 on CPU), through kvdemo's attention like any loaded model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvdemo.attention import use_kvdemo_attention
+    from kvdemo.memory import MODEL_CONFIG_DIR, get_model_config
+    from kvdemo.models import LoadedModel, pick_dtype
+
+    cfg = json.loads((MODEL_CONFIG_DIR / f"{get_model_config(name).name}.json").read_text())
+    config = LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["layers"],
+        num_attention_heads=cfg["attention_heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        head_dim=cfg["head_dim"],
+        max_position_embeddings=cfg["max_context"],
+        tie_word_embeddings=cfg["tie_word_embeddings"],
+        bos_token_id=None,
+        eos_token_id=None,  # random logits must not stop a timed run early
+        pad_token_id=0,
+    )
+    dtype = pick_dtype("auto", device)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.generation_config.eos_token_id = None
+    use_kvdemo_attention(model)
+    label = f"{cfg['display_name']} shapes, random weights"
+    return LoadedModel(model, IdsOnlyTokenizer(), label, f"random:{cfg['name']}", device, dtype)
+
+
+def e2e_model_and_prompt(source: str, device: torch.device, n_tokens: int, new_tokens: int):
+    """(LoadedModel, prompt ids): prose for a real model, seeded random ids for a random-weights one."""
+    from kvdemo.models import load_model
+    from kvdemo.texts import prose_ids
+
+    if source.startswith("random:"):
+        lm = random_model(source.removeprefix("random:"), device)
+        gen = torch.Generator().manual_seed(0)
+        n = min(n_tokens, lm.max_context - new_tokens)
+        return lm, torch.randint(1, lm.config.vocab_size, (n,), generator=gen).tolist()
+    lm = load_model(source, device=device.type, dtype="auto")
+    return lm, prose_ids(lm, min(n_tokens, lm.max_context - new_tokens))
 
 
 def bench_e2e(device: torch.device, args) -> list[dict]:
     from kvdemo import runner
-    from kvdemo.models import load_model
     from kvdemo.precision import parse_precision
     from kvdemo.quant import BACKEND_ENV
-    from kvdemo.texts import prose_ids
 
     rows = []
     suffix = f":g{args.group}:r{args.residual}"
     for source in _names(args.models):
         try:
-            lm = load_model(source, device=device.type, dtype="auto")
-        except ValueError as err:
+            lm, ids = e2e_model_and_prompt(source, device, args.e2e_prompt, args.e2e_tokens)
+        except ValueError as err:  # a model that is not there (the embedded one on the device machine)
             rows.append({"model": source, "error": str(err)})
             continue
-        ids = prose_ids(lm, min(args.e2e_prompt, lm.max_context - args.e2e_tokens))
         for name in _names(args.e2e_precisions):
             spec = parse_precision(name if name == "full" else name + suffix)
             tokens_by_backend = {}
@@ -305,6 +433,7 @@ def bench_e2e(device: torch.device, args) -> list[dict]:
                 rows.append(
                     {
                         "model": lm.name,
+                        "source": source,
                         "dtype": str(lm.dtype).removeprefix("torch."),
                         "precision": spec.label,
                         "backend": backend,
@@ -331,21 +460,29 @@ def goals(report: dict) -> dict:
     """Each goal with what was measured; `met` is None where not measured, or in a smoke run."""
 
     def speedup(fmt: str):
-        for r in report["decode"]:
+        for r in report.get("decode", []):
             if r.get("format") == fmt and r["context"] == 65536 and r["batch"] == 8 and "speedup" in r:
                 return r["speedup"]
         return None
 
-    frac = [r["fraction_of_copy"] for r in report["quantize"]]
+    def best_swept(fmt: str):
+        rows = [r for r in report.get("sweep", []) if r["format"] == fmt and r["context"] == 65536 and r["batch"] == 8]
+        best = max(rows, key=lambda r: r["speedup"], default=None)
+        return best and {k: best[k] for k in ("speedup", "block_n", "num_warps", "num_stages")}
+
+    frac = [r["fraction_of_copy"] for r in report.get("quantize", [])]
     measured = {
         "int4_speedup_64k_b8": speedup("int4"),
         "int8_speedup_64k_b8": speedup("int8"),
         "quantize_fraction_of_copy": min(frac) if frac else None,  # the slowest format and role
     }
-    return {
+    out = {
         k: {"goal": GOALS[k], "measured": v, "met": None if v is None or report["smoke"] else bool(v >= GOALS[k])}
         for k, v in measured.items()
     }
+    for fmt in ("int4", "int8"):  # judged at the default launch setting; the sweep's best beside it
+        out[f"{fmt}_speedup_64k_b8"]["best_launch_setting"] = best_swept(fmt)
+    return out
 
 
 def device_info(device: torch.device) -> dict:
@@ -384,24 +521,46 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"smoke": args.smoke, "device": device_info(device), "args": vars(args)}
     if args.smoke:
         report["note"] = "smoke run: Triton's CPU interpreter at tiny sizes; the times measure nothing"
-    report["copy"] = bench_copy(device, args.smoke)
-    report["quantize"] = bench_quantize(device, args, report["copy"]["gb_s"])
-    report["decode"] = bench_decode(device, args, started + args.time_budget_s)
-    report["e2e"] = bench_e2e(device, args) if args.models.strip() else []
-    report["goals"] = goals(report)
-    report["wall_s"] = time.perf_counter() - started
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    for r in report["decode"]:
+    sweep = args.sweep == "on" or (args.sweep == "auto" and not args.smoke)
+    sections = {
+        "copy": lambda: bench_copy(device, args.smoke),
+        "quantize": lambda: bench_quantize(device, args, report.get("copy", {}).get("gb_s", float("nan"))),
+        "decode": lambda: bench_decode(device, args, started + args.time_budget_s),
+        "sweep": lambda: bench_sweep(device, args) if sweep else [],
+        "e2e": lambda: bench_e2e(device, args) if args.models.strip() else [],
+    }
+    for name, run in sections.items():
+        t0 = time.perf_counter()
+        try:
+            report[name] = run()
+        except Exception as err:  # noqa: BLE001 - the device run is one shot: keep the other sections' numbers
+            report.setdefault("errors", {})[name] = traceback.format_exc()[-4000:]
+            print(f"section {name} failed: {type(err).__name__}: {err}", file=sys.stderr)
+        report.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)
+        report["goals"] = goals(report)
+        report["wall_s"] = time.perf_counter() - started
+        write_report(report, out)
+    for r in report.get("decode", []):
         if "speedup" in r:
             print(
                 f"{r['format']:>8} ctx {r['context']:>6} batch {r['batch']:>2}: {r['triton_us']:9.1f} us "
                 f"vs SDPA {r['sdpa_us']:9.1f} us = {r['speedup']:.2f}x (memory-bound limit {r['memory_bound_limit']:.2f}x)"
             )
+    for r in report.get("e2e", []):
+        if "decode_tok_s" in r:
+            print(f"{r['model']:<48} {r['precision']:<14} {r['backend']:>6}: {r['decode_tok_s']:8.1f} tok/s")
     print(json.dumps(report["goals"], indent=2))
-    print(f"wrote {out} in {report['wall_s']:.0f} s")
-    return 0
+    print(
+        f"wrote {out} in {report['wall_s']:.0f} s"
+        + (f"; failed sections: {', '.join(report['errors'])}" if "errors" in report else "")
+    )
+    return 1 if "errors" in report else 0
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 Stated bounds:
 - quantize: codes, scales and zero points are bit-identical to `reference.quantize` (every format,
   both axes, fp32/fp16/bf16 inputs, outliers, inf/nan, constant groups, strided inputs);
-- past_attention: out and lse within rtol 1e-4 and atol 1e-5 * max(1, max |reference|) of
-  `reference.past_attention` in fp32. Both are fp32 sums in different orders: with logits up to
-  ~150 (outlier key channels) each is ~1e-5 from a float64 evaluation, the kernel usually the closer.
-  (The interpreter computes the tf32x3 dots in fp32; on a GPU they agree to about fp32 rounding.)
+- past_attention, against `reference.past_attention` in fp32, with scale = max(1, max |reference|):
+  lse within atol 1e-4 * scale: scores are fp32 sums of exact products on fp16 tensor cores (fp32
+  operands split into fp16 hi + lo halves; codes are exact in fp16); measured up to 3e-5 * scale;
+  out within atol 2e-3 * scale: attention weights and dequantized values are fp16 operands of the
+  second dot, as in FlashAttention (each 2^-11 relative); measured up to 1e-3 * scale.
+  The interpreter computes fp16 dots in fp32 as the tensor cores do, so the bounds hold on a GPU.
 Shapes are tiny: the interpreter runs every program in Python.
 """
 
@@ -38,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2")
 
 
-def assert_attention_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The stated bound for attention outputs and log-sum-exps (see the module docstring)."""
+def assert_attention_close(got: torch.Tensor, want: torch.Tensor, what: str = "out") -> None:
+    """The stated bound for attention outputs ("out") or log-sum-exps ("lse"), see the module docstring."""
     scale = max(1.0, float(want[torch.isfinite(want)].abs().max())) if want.numel() else 1.0
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * scale)
+    torch.testing.assert_close(got, want, rtol=0.0, atol={"out": 2e-3, "lse": 1e-4}[what] * scale)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,8 @@ def _fp8_roundtrip_kernel(x_ptr, enc_ptr, byte_ptr, dec_ptr, n, FP8: tl.constexp
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_bits_match_torch(tk, fmt):
     """Encode: round-to-nearest-even like torch, ties, subnormals and carries into the exponent
-    included (Triton's interpreter gets these wrong with a float8 cast). Decode: every byte exactly."""
+    included (Triton's interpreter gets these wrong with a float8 cast). Decode: every byte exactly
+    (as value / 256, the unit the attention kernel unpacks fp8 codes in)."""
     dtype, fmax = ref.FP8_DTYPES[fmt], ref.FP8_MAX[fmt]
     g = torch.Generator().manual_seed(1)
     mags = torch.exp2(torch.empty(6000).uniform_(-24, 17, generator=g)).clamp(max=fmax)
@@ -108,7 +111,7 @@ def test_fp8_bits_match_torch(tk, fmt):
     assert torch.equal(enc, x.to(dtype).view(torch.uint8))
     want = byte.view(dtype).float()
     finite = torch.isfinite(want)
-    assert torch.equal(dec[finite], want[finite])
+    assert torch.equal(dec[finite] * 256, want[finite])  # decoded as value / 256 (exact in fp16)
 
 
 # --- quantize-and-pack ----------------------------------------------------------------------------
@@ -229,7 +232,7 @@ def test_past_attention_matches_reference(tk, spec, hkv, grp, head_dim, chunks, 
     out, lse = tk.past_attention(query, kv, head_dim**-0.5, num_splits=splits)
     assert out.dtype == lse.dtype == torch.float32
     assert_attention_close(out, want_out)
-    assert_attention_close(lse, want_lse)
+    assert_attention_close(lse, want_lse, "lse")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -241,7 +244,7 @@ def test_past_attention_every_format_with_split_merge(tk, fmt):
     for splits in (1, 3, 50):  # one program, several, more than there are tiles
         out, lse = tk.past_attention(query, kv, 0.125, num_splits=splits)
         assert_attention_close(out, want_out)
-        assert_attention_close(lse, want_lse)
+        assert_attention_close(lse, want_lse, "lse")
 
 
 def test_past_attention_mid_block_past_and_half_precision(tk):
@@ -257,7 +260,55 @@ def test_past_attention_mid_block_past_and_half_precision(tk):
     want = ref.past_attention(q16, half, 0.125)
     got = tk.past_attention(q16, half, 0.125)
     assert_attention_close(got[0], want[0])
-    assert_attention_close(got[1], want[1])
+    assert_attention_close(got[1], want[1], "lse")
+
+
+@pytest.mark.parametrize("block_n,num_warps", [(16, 4), (64, 8), (128, 4)])
+def test_past_attention_launch_settings_change_only_speed(tk, block_n, num_warps):
+    """Tiles of 16..128 tokens (capped by the key group) give the same attention as the reference."""
+    for i, spec in enumerate(("int4:g32:r32:s4", "k8v4:g16:r16:s2:ktoken", "int8:g128:r128:s4", "full")):
+        kv = _layer(spec, 2, 64, [150, 1], seed=30 + i).packed()
+        query = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(31 + i))
+        want_out, want_lse = ref.past_attention(query, kv, 0.125)
+        out, lse = tk.past_attention(query, kv, 0.125, num_splits=3, block_n=block_n, num_warps=num_warps)
+        assert_attention_close(out, want_out)
+        assert_attention_close(lse, want_lse, "lse")
+    with pytest.raises(ValueError, match="power of two"):
+        tk.past_attention(query, kv, 0.125, block_n=24)
+
+
+def test_past_attention_many_query_rows(tk):
+    """GQA 8 x 5 queries = 40 rows (a 64-row program); past the tile limit the reference takes over."""
+    kv = _layer("int4:g32:r32:s4", 1, 64, [90], seed=40).packed()
+    query = torch.randn(1, 8, 5, 64, generator=torch.Generator().manual_seed(41))
+    assert tk.supports_attention(query, kv)
+    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    out, lse = tk.past_attention(query, kv, 0.125)
+    assert_attention_close(out, want_out)
+    assert_attention_close(lse, want_lse, "lse")
+    wide = _layer("int4:g32:r32:s4", 1, 128, [90], seed=42).packed()
+    big = torch.randn(1, 8, 9, 128, generator=torch.Generator().manual_seed(43))  # 72 rows -> 128 x 128 > limit
+    assert not tk.supports_attention(big, wide)
+    torch.testing.assert_close(tk.past_attention(big, wide, 0.1), ref.past_attention(big, wide, 0.1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "spec", ["int8:g16:r16:s2", "int2:g16:r16", "fp8:g16:r16:s2", "fp8-e5m2:g16:r16", "k8v4:g16:r16:ktoken"]
+)
+@pytest.mark.parametrize("magnitude", [1e-3, 300.0])
+def test_past_attention_tiny_and_huge_magnitudes(tk, spec, magnitude):
+    """Keys and values far from 1 (fp16 operands have 5 exponent bits): scores stay fp32-accurate."""
+    layer = QuantizedLayer(parse_precision(spec))
+    g = torch.Generator().manual_seed(50)
+    k = _keys((1, 1, 70, 64), seed=51) * magnitude
+    layer.update(k, torch.randn(1, 1, 70, 64, generator=g) * magnitude)
+    kv = layer.packed()
+    query = torch.randn(1, 3, 1, 64, generator=g) * (1.0 / magnitude if magnitude > 1 else 10.0)
+    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    out, lse = tk.past_attention(query, kv, 0.125, num_splits=2)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_attention_close(out, want_out)
+    assert_attention_close(lse, want_lse, "lse")
 
 
 def test_past_attention_falls_back_for_masks_and_odd_head_dims(tk):
@@ -328,6 +379,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--smoke", "--out", str(out)]
     cmd += ["--contexts", "96", "--batches", "1,2", "--formats", "int4,fp8_e4m3"]
     cmd += ["--quant-formats", "int8,int4,fp8_e4m3", "--e2e-backends", "torch", "--e2e-precisions", "int4"]
+    cmd += ["--models", "embedded,random:smollm2-135m", "--sweep", "on"]
     proc = subprocess.run(
         cmd,
         capture_output=True,
@@ -338,14 +390,20 @@ def test_gpu_benchmark_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["smoke"] is True and report["device"]["type"] == "cpu"
+    assert report["smoke"] is True and report["device"]["type"] == "cpu" and "errors" not in report
     assert report["copy"]["gb_s"] > 0
     assert {r["format"] for r in report["quantize"]} >= {"int8", "int4", "fp8_e4m3"}
     assert all(r["fraction_of_copy"] > 0 for r in report["quantize"])
     rows = report["decode"]
     assert rows and all(r["triton_us"] > 0 and r["sdpa_us"] > 0 and r["speedup"] > 0 for r in rows)
-    assert len(rows) == 4 and all(r["max_abs_err_vs_reference"] < 1e-4 for r in rows)
+    assert len(rows) == 4 and all(r["max_err_vs_reference"] < 2e-3 for r in rows)  # the stated bound
+    assert all(r["bit_identical_to_reference"] for r in report["quantize"])
     assert all(1.0 < r["memory_bound_limit"] < 4.0 for r in rows)
-    (e2e,) = report["e2e"]
-    assert e2e["backend"] == "torch" and e2e["new_tokens"] == 2 and e2e["decode_tok_s"] > 0
+    sweep = report["sweep"]
+    assert len(sweep) == 4 and {r["format"] for r in sweep} == {"int4", "int8"} and all(r["us"] > 0 for r in sweep)
+    embedded, random = report["e2e"]
+    assert embedded["source"] == "embedded" and random["source"] == "random:smollm2-135m"
+    assert "random weights" in random["model"] and random["prompt_tokens"] == 48
+    for e2e in (embedded, random):
+        assert e2e["backend"] == "torch" and e2e["new_tokens"] == 2 and e2e["decode_tok_s"] > 0
     assert all(g["met"] is None for g in report["goals"].values())  # never judged from a smoke run

@@ -15,13 +15,19 @@ Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its
   first residual program also takes the sinks), and a second kernel merges the partial results by
   log-sum-exp.
   One program serves every query head of its kv-head group (GQA: each K/V tile is read once).
-  K/V stay packed in memory and are dequantized in registers; per-channel keys never are:
-  ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block.
+  K/V stay packed in memory: a tile of packed bytes is loaded as stored and unpacked in registers to
+  fp16 codes (exact: the fp16 with bits 0x6400 | c is 1024 + c). Per-channel keys are never
+  dequantized: ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block.
+  Both dots run on fp16 tensor cores with fp32 accumulation. Scores are about fp32-accurate: fp32
+  operands are split into fp16 hi + lo halves (queries always; keys stored in fp32 or dequantized per
+  token too); the weights and the dequantized values of the second dot are fp16, as in
+  FlashAttention (2^-11 relative each).
 
 Tensors are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Head dims are
 powers of two from 16 to 256 (`supports_*` say so; the dispatcher in `kvdemo.quant` sends
-anything else to the reference). Dots run with ``input_precision="tf32x3"`` (about fp32 accuracy
-on tensor cores; exact fp32 in the interpreter).
+anything else to the reference). The interpreter misses what only the GPU compiler sees (register
+spills, shared memory, unsupported ops): `bench/compile_sm90.py` compiles every variant for sm_90
+on a CPU and reports them; a test keeps them compiling without spills.
 References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), FlashAttention-2 (arXiv
 2307.08691) and flash-decoding (split-K over the sequence with a log-sum-exp merge).
 """
@@ -37,10 +43,11 @@ from .reference import FP16_MAX, INT_BITS, MIN_SCALE, QuantizedTensor
 
 FP8_CODE = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # constexpr ids of the fp8 formats (0 = integer format)
 QUANT_TILE = 4096  # elements per quantize program (registers: ~32 fp32 values per thread at 4 warps)
-MAX_BLOCK_N = 64  # tokens per attention tile (divides every key group size, all powers of two >= 16)
+MAX_BLOCK_N = 128  # most tokens per attention tile (tiles of per-channel keys stay inside one key group)
 LOG2E = 1.4426950408889634
 _FP16_MAX = tl.constexpr(FP16_MAX)  # globals read inside kernels must be constexpr
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
+_FP8_UNIT = tl.constexpr(256.0)  # fp8 codes are unpacked as value / 256 (see _fp8_decode)
 
 
 def _bits(fmt: str) -> int:
@@ -57,11 +64,18 @@ def supports_quantize(fmt: str, head_dim: int) -> bool:
 
 
 def supports_attention(query: torch.Tensor, kv) -> bool:
-    """Shapes the decode kernel handles: head_dim a power of two in [16, 256], at most 256 query rows per kv head."""
+    """Shapes the decode kernel handles: head_dim a power of two in [16, 256], and query rows per kv head
+    (GQA group x queries, padded to a power of two >= 16) x head_dim <= MAX_TILE_M_D."""
     b, hq, n, d = query.shape
     hkv = kv.sink_keys.shape[1]
     fmts_ok = kv.quant_len == 0 or (supports_quantize(kv.key_format, d) and supports_quantize(kv.value_format, d))
-    return fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0 and (hq // hkv) * n <= 256
+    if not (fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0):
+        return False
+    return _block_m((hq // hkv) * n) * d <= MAX_TILE_M_D
+
+
+def _block_m(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
 
 
 # --- device helpers ---------------------------------------------------------------------------------
@@ -93,21 +107,70 @@ def _fp8_encode(y, FP8: tl.constexpr):
 
 @triton.jit
 def _fp8_decode(byte, FP8: tl.constexpr):
-    """fp8 bits (int32 in [0, 255]) -> fp32 value, exactly, through the fp16 bit pattern."""
+    """fp8 bits (int32 in [0, 255]) -> the fp8 value / FP8_UNIT as fp16, exactly, for both formats (the
+    callers fold FP8_UNIT into the scales: small codes keep the hi + lo halves of the scores in range)."""
     if FP8 == 1:  # e4m3 bits moved into fp16's exponent/mantissa fields are the value / 2^8
-        h = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
-        return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    h = byte << 8  # e5m2 is the top byte of an fp16
-    return h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x = (((byte & 0x80) << 8) | ((byte & 0x7F) << 7)).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:  # e5m2 is the top byte of an fp16; / 2^8 is exact (its smallest step, 2^-16, becomes 2^-24)
+        x = (byte << 8).to(tl.uint16).to(tl.float16, bitcast=True) * (1.0 / _FP8_UNIT)
+    return x
 
 
 @triton.jit
-def _decode_codes(byte, shift, BITS: tl.constexpr, FP8: tl.constexpr):
-    """Packed bytes (uint8 tile), per-element shift (planar packing) -> code values as fp32."""
+def _int_code(b, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """Bits [SHIFT, SHIFT + BITS) of int32 b as fp16, exactly: 0x6400 | c is the fp16 1024 + c."""
+    c = (b >> SHIFT) & ((1 << BITS) - 1)
+    return (c | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _unpack(byte, BITS: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Packed rows [BLOCK_N, D * BITS / 8] uint8 -> codes [BLOCK_N, D] fp16, exactly.
+
+    Planar packing: byte column j holds channels p * DP + j in bits [p * BITS, (p + 1) * BITS).
+    """
     b = byte.to(tl.int32)
+    if FP8 != 0:
+        codes = _fp8_decode(b, FP8)
+    elif BITS == 8:
+        codes = _int_code(b, 0, 8)
+    elif BITS == 4:
+        planes = tl.join(_int_code(b, 0, 4), _int_code(b, 4, 4))  # [BN, DP, 2 (p)]
+        codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))
+    else:
+        lo = tl.join(_int_code(b, 0, 2), _int_code(b, 2, 2))  # [BN, DP, 2 (p % 2)]
+        hi = tl.join(_int_code(b, 4, 2), _int_code(b, 6, 2))
+        planes = tl.join(lo, hi)  # [BN, DP, 2 (p % 2), 2 (p // 2)]
+        codes = tl.reshape(tl.permute(planes, (0, 3, 2, 1)), (BLOCK_N, D))
+    return codes
+
+
+@triton.jit
+def _dequantize_rows(code, scale, zero, GROUP: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """codes [BN, D] fp16, per-row groups of GROUP channels: scale, zero [BN, D / GROUP] -> [BN, D] in
+    the dtype of scale (fp16 for values, the dot's operand; fp32 for per-token keys, see _dot_f32)."""
+    c = tl.reshape(code, (BLOCK_N, D // GROUP, GROUP)).to(scale.dtype)
+    x = c * scale[:, :, None]
     if FP8 == 0:
-        return ((b >> shift) & ((1 << BITS) - 1)).to(tl.float32)
-    return _fp8_decode(b, FP8)
+        x += zero[:, :, None]
+    return tl.reshape(x, (BLOCK_N, D))
+
+
+@triton.jit
+def _dot_hi_lo(a, b):
+    """a [BM, K] fp32 @ b [K, BN] fp16 on fp16 tensor cores, to about fp32 accuracy: a = hi + lo, both fp16."""
+    hi = a.to(tl.float16)
+    lo = (a - hi.to(tl.float32)).to(tl.float16)
+    return tl.dot(hi, b) + tl.dot(lo, b)
+
+
+@triton.jit
+def _dot_f32(a, b):
+    """a [BM, K] fp32 @ b [K, BN] fp32 on fp16 tensor cores, to about fp32 accuracy: hi/lo halves of both,
+    three dots (the lo x lo term is below fp32 rounding)."""
+    b_hi = b.to(tl.float16)
+    b_lo = (b - b_hi.to(tl.float32)).to(tl.float16)
+    return _dot_hi_lo(a, b_hi) + tl.dot(a.to(tl.float16), b_lo)
 
 
 @triton.jit
@@ -311,13 +374,13 @@ def quantize(x: torch.Tensor, fmt: str, axis: str, group: int) -> QuantizedTenso
 
 @triton.jit
 def _online_update(acc, m_i, l_i, s, v):
-    """One flash-attention step: s [BM, BN] log2-domain scores (-inf = masked), v [BN, D] fp32."""
+    """One flash-attention step: s [BM, BN] fp32 log2-domain scores (-inf = masked), v [BN, D] fp16."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])  # [BM, BN]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")  # [BM, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)  # [BM, D], fp32 accumulation
     return acc, m_new, l_i
 
 
@@ -325,17 +388,24 @@ def _online_update(acc, m_i, l_i, s, v):
 def _full_segment(
     acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, row_begin, row_end, BLOCK_N: tl.constexpr, D: tl.constexpr
 ):
-    """Full-precision keys/values rows [row_begin, row_end) of one (batch, kv head): sinks or residual."""
+    """Full-precision keys/values rows [row_begin, row_end) of one (batch, kv head): sinks or residual.
+
+    Keys go to the tensor cores as fp16: 16-bit keys as they are (bf16 is exact in fp16 from 2^-14 to
+    65504), fp32 keys as hi + lo halves; values as fp16.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     for start in range(row_begin, row_end, BLOCK_N):
-        pos = (start + offs_n).to(tl.int64)
+        pos = start + offs_n  # [BN] int32: offsets within one head stay below 2^31 (checked by the caller)
         valid = pos < row_end
-        k = tl.load(k_base + pos[:, None] * sk_t + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="tf32x3")  # [BM, BN]
+        k = tl.load(k_base + pos[:, None] * sk_t + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if k.dtype == tl.float32:
+            s = _dot_f32(q, tl.trans(k))  # [BM, BN]
+        else:
+            s = _dot_hi_lo(q, tl.trans(k.to(tl.float16)))  # fp16 and bf16 values are exact in fp16
         s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
+        v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v.to(tl.float16))
     return acc, m_i, l_i
 
 
@@ -466,10 +536,8 @@ def _decode_split_kernel(
     else:
         KDP: tl.constexpr = D * K_BITS // 8
         VDP: tl.constexpr = D * V_BITS // 8
-        k_col = offs_d % KDP  # byte column of channel d (planar packing)
-        k_shift = (offs_d // KDP) * K_BITS
-        v_col = offs_d % VDP
-        v_shift = (offs_d // VDP) * V_BITS
+        KNG: tl.constexpr = 1 if K_CHANNEL else D // K_GROUP
+        VNG: tl.constexpr = D // V_GROUP
         kc_base = kc_ptr + b * skc_b + h * skc_h
         ks_base = ks_ptr + b * sks_b + h * sks_h
         kz_base = kz_ptr + b * skz_b + h * skz_h
@@ -481,31 +549,39 @@ def _decode_split_kernel(
         t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
         for tile in range(t_begin, t_end):
             start = tile * BLOCK_N
-            pos = (start + offs_n).to(tl.int64)  # absolute positions; codes rows [0, S) are dummies
+            pos = start + offs_n  # [BN] absolute positions (int32, see _full_segment); rows [0, S) are dummies
             valid = (pos >= S) & (pos < Q)
-            kbyte = tl.load(kc_base + pos[:, None] * skc_t + k_col[None, :], mask=valid[:, None], other=0)
-            kcode = _decode_codes(kbyte, k_shift[None, :], K_BITS, K_FP8)  # [BN, D]
+            kbyte = tl.load(kc_base + pos[:, None] * skc_t + tl.arange(0, KDP)[None, :], mask=valid[:, None], other=0)
+            kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D)  # [BN, D] fp16
             if K_CHANNEL:  # the tile lies in key block start // K_GROUP: fold its scales into q
-                blk = (start // K_GROUP).to(tl.int64)
+                blk = start // K_GROUP
                 ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
-                s = tl.dot(q * ks[None, :], tl.trans(kcode), input_precision="tf32x3")  # [BM, BN]
+                if K_FP8 != 0:
+                    ks = ks * _FP8_UNIT
+                s = _dot_hi_lo(q * ks[None, :], tl.trans(kcode))  # [BM, BN]
                 if K_FP8 == 0:
                     kz = tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)
                     s += tl.sum(q * kz[None, :], 1)[:, None]
             else:  # per-token key groups: dequantize the tile in registers
-                kgi = (offs_d // K_GROUP)[None, :]
-                ks = tl.load(ks_base + pos[:, None] * sks_t + kgi, mask=valid[:, None], other=0.0).to(tl.float32)
-                k = kcode * ks
+                kg = tl.arange(0, KNG)[None, :]
+                ks = tl.load(ks_base + pos[:, None] * sks_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
+                kz = ks
                 if K_FP8 == 0:
-                    k += tl.load(kz_base + pos[:, None] * skz_t + kgi, mask=valid[:, None], other=0.0).to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+                    kz = tl.load(kz_base + pos[:, None] * skz_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
+                else:
+                    ks = ks * _FP8_UNIT
+                k = _dequantize_rows(kcode, ks, kz, K_GROUP, K_FP8, BLOCK_N, D)  # [BN, D] fp32
+                s = _dot_f32(q, tl.trans(k))
             s = tl.where(valid[None, :], s, float("-inf"))
-            vbyte = tl.load(vc_base + pos[:, None] * svc_t + v_col[None, :], mask=valid[:, None], other=0)
-            vgi = (offs_d // V_GROUP)[None, :]
-            vs = tl.load(vs_base + pos[:, None] * svs_t + vgi, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = _decode_codes(vbyte, v_shift[None, :], V_BITS, V_FP8) * vs  # [BN, D]
+            vbyte = tl.load(vc_base + pos[:, None] * svc_t + tl.arange(0, VDP)[None, :], mask=valid[:, None], other=0)
+            vg = tl.arange(0, VNG)[None, :]
+            vs = tl.load(vs_base + pos[:, None] * svs_t + vg, mask=valid[:, None], other=0.0)  # [BN, VNG]
+            vz = vs
             if V_FP8 == 0:
-                v += tl.load(vz_base + pos[:, None] * svz_t + vgi, mask=valid[:, None], other=0.0).to(tl.float32)
+                vz = tl.load(vz_base + pos[:, None] * svz_t + vg, mask=valid[:, None], other=0.0)
+            else:
+                vs = vs * _FP8_UNIT  # fp16: scales are at most 65504 / 448, times 256 stays finite
+            v = _dequantize_rows(_unpack(vbyte, V_BITS, V_FP8, BLOCK_N, D), vs, vz, V_GROUP, V_FP8, BLOCK_N, D)
             acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
 
     empty = l_i == 0.0
@@ -549,17 +625,35 @@ def _default_splits(n_tiles: int, programs: int, device: torch.device) -> int:
     return max(1, min(want, n_tiles // 4))
 
 
+MAX_TILE_M_D = 8192  # query rows (padded) x head_dim of one attention program: more spills registers on sm_90
+
+
+def launch_config(head_dim: int, block_m: int) -> tuple[int, int]:
+    """(tokens per attention tile, warps) for a program of block_m query rows: the largest settings that
+    compile for sm_90 without register spills (`python bench/compile_sm90.py` shows each variant)."""
+    return (32 if head_dim <= 128 else 16), (4 if block_m <= 16 else 8)
+
+
 def _arg(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
     """(tensor, stride_b, stride_h, stride_t) for the kernel; empty or missing tensors become a dummy."""
     if t is None or t.numel() == 0:
         return dummy, 0, 0, 0
     if t.stride(-1) != 1:
         t = t.contiguous()
+    if t.shape[2] * t.stride(2) >= 2**31:  # the kernel's offsets within one (batch, head) are int32
+        raise ValueError(f"a cache tensor of shape {tuple(t.shape)} is too long for one head's int32 offsets")
     return t, t.stride(0), t.stride(1), t.stride(2)
 
 
 def past_attention(
-    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, num_splits: int | None = None
+    query: torch.Tensor,
+    kv,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 3,
 ):
     """Fused decode attention of `query` over one layer's packed past (twin of `reference.past_attention`).
 
@@ -567,6 +661,8 @@ def past_attention(
     num_splits: programs per (batch, kv head) the sequence is split over, before rounding to whole tiles:
     the quantized region and the full-precision residual get tiles of the same count each (default:
     about 4 programs per SM). The partial results are merged by log-sum-exp.
+    block_n (tokens per tile, a power of two, capped by the key group), num_warps (defaults: `launch_config`)
+    and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them).
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
     `supports_attention`, is handed to the reference (the decode path never passes a mask).
     """
@@ -577,10 +673,15 @@ def past_attention(
     b, hq, n, d = query.shape
     hkv = kv.sink_keys.shape[1]
     m = (hq // hkv) * n
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = _block_m(m)
+    default_n, default_warps = launch_config(d, block_m)
     s_len, q_len, r_len = kv.num_sinks, kv.quant_len, kv.residual_keys.shape[-2]
     quant = q_len > s_len
-    block_n = min(MAX_BLOCK_N, kv.key_group if kv.key_axis == "channel" else MAX_BLOCK_N) if quant else MAX_BLOCK_N
+    block_n = min(block_n or default_n, MAX_BLOCK_N)
+    if quant and kv.key_axis == "channel":
+        block_n = min(block_n, kv.key_group)
+    if not (_pow2(block_n) and block_n >= 16):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     n_tiles = triton.cdiv(q_len, block_n) if quant else 0  # quantized tiles (positions [0, Q), aligned)
     r_tiles = triton.cdiv(r_len, block_n)
     if num_splits is None:
@@ -631,7 +732,8 @@ def past_attention(
         V_BITS=_bits(v_fmt),
         V_FP8=FP8_CODE.get(v_fmt, 0),
         V_GROUP=kv.value_group if quant else d,
-        num_warps=4,
+        num_warps=num_warps or default_warps,
+        num_stages=num_stages,
     )
     _merge_kernel[(b * hkv,)](o_part, lse_part, out, lse, parts, m, BLOCK_M=block_m, D=d, num_warps=4)
     return out, lse

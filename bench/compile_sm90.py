@@ -1,0 +1,199 @@
+"""Compile every Triton kernel variant for a GPU architecture on a machine without one, and report
+registers, spills and shared memory per variant (what Triton's CPU interpreter never sees).
+
+Triton compiles ahead of time for a named target (`GPUTarget`) with the ptxas it ships, so a CPU
+machine finds the compile errors, register spills and shared-memory overflows that only a GPU
+build has. Arguments are specialized as the JIT specializes real cache tensors: pointers and
+strides divisible by 16 (cache rows are whole multiples of 16 bytes), lengths unspecialized.
+
+    python bench/compile_sm90.py               # every variant, a table
+    python bench/compile_sm90.py --quick --json /tmp/sm90.json --strict
+
+--strict exits 1 if any variant spills registers (or fails to compile, which always exits 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("error: unset TRITON_INTERPRET; this compiles the kernels, it does not interpret them")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvdemo.quant import triton_kernels as tk  # noqa: E402
+
+STRIDE = re.compile(r"^s[a-z]*_[bhtd]$")  # stride arguments: sx_t, skc_h, ...
+U8 = {"codes_ptr", "kc_ptr", "vc_ptr"}
+FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr"}
+FORMATS = {"int8": (8, 0), "int4": (4, 0), "int2": (2, 0), "fp8_e4m3": (8, 1), "fp8_e5m2": (8, 2)}
+
+
+def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict]:
+    """(signature, attrs) of a kernel's arguments, specialized as the JIT does for real cache tensors."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            sig[name] = "*u8" if name in U8 else "*fp32" if name in FP32 else f"*{half}"
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+        if name.endswith("_ptr") or STRIDE.match(name):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def cuda_tool(name: str) -> str:
+    """A CUDA binary tool: the one Triton ships, else one on PATH."""
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(bundled) if bundled.exists() else (shutil.which(name) or name)
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers and stack of one compiled kernel, and its spills: local-memory stores/loads in its SASS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run(
+            [cuda_tool("cuobjdump"), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [cuda_tool("cuobjdump"), "--dump-sass", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+
+    def field(name: str) -> int:
+        m = re.search(rf"\b{name}:(\d+)", usage)
+        return int(m.group(1)) if m else 0
+
+    return {
+        "registers": field("REG"),
+        "stack_bytes": field("STACK"),
+        "spill_stores": len(re.findall(r"\bSTL(?:\.\w+)*\b", sass)),
+        "spill_loads": len(re.findall(r"\bLDL(?:\.\w+)*\b", sass)),
+    }
+
+
+def compile_one(fn, constexprs: dict, arch: int, num_warps: int = 4, num_stages: int = 3, half: str = "fp16") -> dict:
+    """Compile one variant for sm_<arch>; its compile time, shared memory, registers and spills."""
+    sig, attrs = signature(fn, constexprs, half)
+    started = time.perf_counter()
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    row = {"compile_s": round(time.perf_counter() - started, 2), "shared_bytes": kernel.metadata.shared}
+    return row | resources(kernel.asm["cubin"])
+
+
+def quantize_variants(quick: bool) -> list[dict]:
+    rows = []
+    for fmt in ("int8", "int4", "int2", "fp8_e4m3") if quick else FORMATS:
+        bits, fp8 = FORMATS[fmt]
+        for head_dim in (128,) if quick else (64, 128):
+            for axis, group in (("channel", 128), ("token", min(128, head_dim))):
+                dp = head_dim * bits // 8
+                channel = axis == "channel"
+                consts = {
+                    "D": head_dim,
+                    "BITS": bits,
+                    "FP8": fp8,
+                    "CHANNEL": channel,
+                    "GROUP": group,
+                    "BLOCK_T": group if channel else tk.QUANT_TILE // head_dim,
+                    "BLOCK_J": max(1, min(dp, tk.QUANT_TILE // (group * (8 // bits)))) if channel else 1,
+                }
+                rows.append({"kernel": "quantize", "format": fmt, "axis": axis, "head_dim": head_dim, "consts": consts})
+    return rows
+
+
+def decode_variants(quick: bool) -> list[dict]:
+    """Format pairs x key axis x head_dim x query rows: decode's 16 rows (GQA up to 16) and the most rows
+    `supports_attention` lets through for the head_dim (the tile that needs the most registers)."""
+    pairs = [("int4", "int4"), ("int8", "int8"), ("int8", "int4"), ("fp8_e4m3", "fp8_e4m3"), ("int2", "int2")]
+    if not quick:
+        pairs += [("int4", "int8"), ("int8", "int2"), ("fp8_e5m2", "fp8_e5m2")]
+    rows = []
+    for head_dim in (64, 128) if quick else (64, 128, 256):
+        for kf, vf in pairs:
+            for key_axis in ("channel", "token") if not quick or (kf, vf) == ("int8", "int4") else ("channel",):
+                for block_m in (16, tk.MAX_TILE_M_D // head_dim) if not quick or kf == vf == "int8" else (16,):
+                    kb, kfp8 = FORMATS[kf]
+                    vb, vfp8 = FORMATS[vf]
+                    block_n, warps = tk.launch_config(head_dim, block_m)
+                    group = min(128, head_dim)
+                    consts = {
+                        "D": head_dim,
+                        "BLOCK_M": block_m,
+                        "BLOCK_N": block_n,
+                        "K_BITS": kb,
+                        "K_FP8": kfp8,
+                        "K_CHANNEL": key_axis == "channel",
+                        "K_GROUP": 128 if key_axis == "channel" else group,
+                        "V_BITS": vb,
+                        "V_FP8": vfp8,
+                        "V_GROUP": group,
+                    }
+                    rows.append(
+                        {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
+                        | {"block_m": block_m, "num_warps": warps, "consts": consts}
+                    )
+    rows.append(rows[0] | {"half": "bf16", "format": rows[0]["format"] + " (bf16 query and residual)"})
+    rows.append({"kernel": "merge", "format": "-", "axis": "-", "head_dim": 128, "consts": {"BLOCK_M": 16, "D": 128}})
+    return rows
+
+
+KERNELS = {"quantize": "_quantize_kernel", "decode": "_decode_split_kernel", "merge": "_merge_kernel"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
+    p.add_argument("--quick", action="store_true", help="a representative subset (the test's)")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any variant spills registers")
+    args = p.parse_args(argv)
+    rows, failed = quantize_variants(args.quick) + decode_variants(args.quick), 0
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    for row in rows:
+        fn = getattr(tk, KERNELS[row["kernel"]])
+        try:
+            row |= compile_one(fn, row["consts"], args.arch, row.get("num_warps", 4), half=row.get("half", "fp16"))
+        except Exception as err:  # noqa: BLE001 - every failure is reported, then the exit code says so
+            lines = str(err).strip().splitlines() or [""]
+            row["error"] = f"{type(err).__name__}: {lines[-1][:300]}"
+            failed += 1
+        rows_m = f"m{row['block_m']}" if "block_m" in row else ""
+        what = f"{row['kernel']:>8} {row['format']:<44} {row['axis']:>7} d{row['head_dim']:<3} {rows_m:>4}"
+        if "error" in row:
+            print(f"{what} FAILED {row['error']}")
+        else:
+            print(
+                f"{what} regs {row['registers']:>3}  spill stores {row['spill_stores']:>3}  "
+                f"shared {row['shared_bytes'] / 1024:5.1f} KiB  ({row['compile_s']:.1f} s)"
+            )
+    spilled = [r for r in rows if r.get("spill_stores", 0) > 0]
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"triton": triton.__version__, "arch": args.arch, "rows": rows}, indent=2)
+        )
+    print(f"{len(rows)} variants: {failed} failed to compile, {len(spilled)} spill registers")
+    return 1 if failed or (args.strict and spilled) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The Triton kernels compile for sm_90 (H100/H200) on this CPU machine, without register spills.
+
+The interpreter tests (test_triton.py) check what the kernels compute; they cannot see what only the
+GPU compiler sees: ops it rejects, register spills, shared memory. `bench/compile_sm90.py --quick`
+compiles a representative set of variants ahead of time with the ptxas Triton ships and reads
+registers and local-memory stores (spills) from the machine code. It runs in a subprocess: the
+interpreter tests set TRITON_INTERPRET=1 for this whole process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.triton
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    out = tmp_path / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, str(ROOT / "bench" / "compile_sm90.py"), "--quick", "--strict", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"quantize", "decode", "merge"}
+    assert all("error" not in r for r in rows)
+    assert all(0 < r["registers"] <= 255 and r["spill_stores"] == 0 for r in rows), [
+        (r["format"], r["registers"], r["spill_stores"]) for r in rows
+    ]
+    assert all(r["shared_bytes"] <= 227 * 1024 for r in rows)  # an H100/H200 block's shared-memory limit
+    decode = [r for r in rows if r["kernel"] == "decode"]
+    assert {r["head_dim"] for r in decode} == {64, 128} and max(r["block_m"] for r in decode) >= 64
+
+
+def test_compile_check_sees_spills(tmp_path):
+    """The spill counter is not blind: a tile far past `supports_attention`'s limit spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + str(ROOT / "bench")
+    code = (
+        "import compile_sm90 as c\n"
+        "from kvdemo.quant import triton_kernels as tk\n"
+        "row = next(r for r in c.decode_variants(True) if r['kernel'] == 'decode' and r['head_dim'] == 128)\n"
+        "print(c.compile_one(tk._decode_split_kernel, row['consts'] | {'BLOCK_M': 256}, 90, 8)['spill_stores'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) > 0
