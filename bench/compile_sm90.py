@@ -42,15 +42,21 @@ FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr"}
 FORMATS = {"int8": (8, 0), "int4": (4, 0), "int2": (2, 0), "fp8_e4m3": (8, 1), "fp8_e5m2": (8, 2)}
 
 
+MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # the rest are fp16 scales
+
+
 def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict]:
-    """(signature, attrs) of a kernel's arguments, specialized as the JIT does for real cache tensors."""
+    """(signature, attrs) of a kernel's arguments, specialized as the JIT does for real cache tensors;
+    `half` is the model's dtype (queries, full-precision keys/values, quantizer input)."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            sig[name] = "*u8" if name in U8 else "*fp32" if name in FP32 else f"*{half}"
+            sig[name] = (
+                "*u8" if name in U8 else "*fp32" if name in FP32 else f"*{half}" if name in MODEL_DTYPE else "*fp16"
+            )
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
         if name.endswith("_ptr") or STRIDE.match(name):
@@ -118,6 +124,7 @@ def quantize_variants(quick: bool) -> list[dict]:
                     "BLOCK_J": max(1, min(dp, tk.QUANT_TILE // (group * (8 // bits)))) if channel else 1,
                 }
                 rows.append({"kernel": "quantize", "format": fmt, "axis": axis, "head_dim": head_dim, "consts": consts})
+    rows.append(rows[2] | {"half": "bf16", "format": rows[2]["format"] + " (bf16 input)"})
     return rows
 
 
@@ -130,8 +137,9 @@ def decode_variants(quick: bool) -> list[dict]:
     rows = []
     for head_dim in (64, 128) if quick else (64, 128, 256):
         for kf, vf in pairs:
-            for key_axis in ("channel", "token") if not quick or (kf, vf) == ("int8", "int4") else ("channel",):
-                for block_m in (16, tk.MAX_TILE_M_D // head_dim) if not quick or kf == vf == "int8" else (16,):
+            axes = ("channel", "token") if not quick or (kf, vf) == ("int8", "int4") else ("channel",)
+            for key_axis in axes if head_dim <= tk.MAX_HEAD_DIM_TOKEN_KEYS else ("channel",):
+                for block_m in sorted({16, tk.MAX_BLOCK_M[head_dim]}) if not quick or kf == vf == "int8" else (16,):
                     kb, kfp8 = FORMATS[kf]
                     vb, vfp8 = FORMATS[vf]
                     block_n, warps = tk.launch_config(head_dim, block_m)
@@ -152,7 +160,8 @@ def decode_variants(quick: bool) -> list[dict]:
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
                         | {"block_m": block_m, "num_warps": warps, "consts": consts}
                     )
-    rows.append(rows[0] | {"half": "bf16", "format": rows[0]["format"] + " (bf16 query and residual)"})
+    for half in ("bf16", "fp32"):
+        rows.append(rows[0] | {"half": half, "format": rows[0]["format"] + f" ({half} query and residual)"})
     rows.append({"kernel": "merge", "format": "-", "axis": "-", "head_dim": 128, "consts": {"BLOCK_M": 16, "D": 128}})
     return rows
 

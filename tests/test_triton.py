@@ -10,10 +10,16 @@ Stated bounds:
   second dot, as in FlashAttention (each 2^-11 relative); measured up to 1e-3 * scale.
   The interpreter computes fp16 dots in fp32 as the tensor cores do, so the bounds hold on a GPU.
 Shapes are tiny: the interpreter runs every program in Python.
+
+On a GPU machine the same tests run compiled: ``KVDEMO_TRITON_TEST_DEVICE=cuda TRITON_INTERPRET=0
+pytest tests/test_triton.py`` (bench/device_check.sh does). The `tk` fixture then moves each kernel
+call's tensors to the GPU and its results back, so every test compares the compiled kernels with the
+CPU reference unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -21,10 +27,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels become interpreted functions
-
 import pytest
 import torch
+
+DEVICE = os.environ.get("KVDEMO_TRITON_TEST_DEVICE", "cpu")  # "cuda": the same tests, compiled on a GPU
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels become interpreted functions
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -48,15 +56,55 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor, what: str = "o
 
 @pytest.fixture(scope="module")
 def tk():
-    """The kernels module, interpreted (reloaded if something imported it before TRITON_INTERPRET was set)."""
+    """The kernels module: interpreted on CPU tensors, or compiled behind `OnDevice` (see the docstring)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from kvdemo.quant import triton_kernels
 
+    if DEVICE != "cpu":
+        assert not isinstance(triton_kernels._decode_split_kernel, InterpretedFunction), "unset TRITON_INTERPRET"
+        return OnDevice(triton_kernels)
     if not isinstance(triton_kernels._quantize_kernel, InterpretedFunction):
         triton_kernels = importlib.reload(triton_kernels)
     assert isinstance(triton_kernels._decode_split_kernel, InterpretedFunction)
     return triton_kernels
+
+
+def _to(obj, device):
+    """A tensor, or a dataclass's tensor fields (QuantizedTensor, PackedKV), on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    moved = {
+        f.name: getattr(obj, f.name).to(device)
+        for f in dataclasses.fields(obj)
+        if isinstance(getattr(obj, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(obj, **moved)
+
+
+class OnDevice:
+    """The kernels module with each call's tensors on DEVICE and its results back on the CPU."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def quantize(self, x, *args):
+        return _to(self._module.quantize(x.to(DEVICE), *args), "cpu")
+
+    def quantize_into(self, x, fmt, axis, group, codes, scale, zero):
+        outs = [t if t is None else t.to(DEVICE) for t in (codes, scale, zero)]
+        self._module.quantize_into(x.to(DEVICE), fmt, axis, group, *outs)
+        for cpu, dev in zip((codes, scale, zero), outs, strict=True):
+            if cpu is not None:
+                cpu.copy_(dev)
+
+    def past_attention(self, query, kv, scaling, mask=None, **settings):
+        mask = None if mask is None else mask.to(DEVICE)
+        out, lse = self._module.past_attention(query.to(DEVICE), _to(kv, DEVICE), scaling, mask, **settings)
+        return out.cpu(), lse.cpu()
 
 
 def _keys(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -107,7 +155,9 @@ def test_fp8_bits_match_torch(tk, fmt):
     enc = torch.empty(n, dtype=torch.uint8)
     byte = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
     dec = torch.empty(n)
-    _fp8_roundtrip_kernel[(1,)](x, enc, byte, dec, n, FP8=tk.FP8_CODE[fmt], BLOCK=triton.next_power_of_2(n))
+    args = [t.to(DEVICE) for t in (x, enc, byte, dec)]
+    _fp8_roundtrip_kernel[(1,)](*args, n, FP8=tk.FP8_CODE[fmt], BLOCK=triton.next_power_of_2(n))
+    enc, dec = args[1].cpu(), args[3].cpu()
     assert torch.equal(enc, x.to(dtype).view(torch.uint8))
     want = byte.view(dtype).float()
     finite = torch.isfinite(want)
@@ -255,12 +305,13 @@ def test_past_attention_mid_block_past_and_half_precision(tk):
     query = torch.randn(1, 3, 64, 2)[..., :1].transpose(-1, -2)  # [B, Hq, n, D], last-dim stride 2
     assert query.stride(-1) == 2
     assert_attention_close(tk.past_attention(query, kv, 0.125)[0], ref.past_attention(query, kv, 0.125)[0])
-    half = _layer("int8:g16:r16:s4", 1, 64, [53], seed=14, dtype=torch.float16).packed()
-    q16 = torch.randn(1, 3, 1, 64).half()
-    want = ref.past_attention(q16, half, 0.125)
-    got = tk.past_attention(q16, half, 0.125)
-    assert_attention_close(got[0], want[0])
-    assert_attention_close(got[1], want[1], "lse")
+    for dtype in (torch.float16, torch.bfloat16):  # a 16-bit model's queries, sinks and residual
+        half = _layer("int8:g16:r16:s4", 1, 64, [53], seed=14, dtype=dtype).packed()
+        q16 = torch.randn(1, 3, 1, 64).to(dtype)
+        want = ref.past_attention(q16, half, 0.125)
+        got = tk.past_attention(q16, half, 0.125)
+        assert_attention_close(got[0], want[0])
+        assert_attention_close(got[1], want[1], "lse")
 
 
 @pytest.mark.parametrize("block_n,num_warps", [(16, 4), (64, 8), (128, 4)])
@@ -324,6 +375,7 @@ def test_past_attention_falls_back_for_masks_and_odd_head_dims(tk):
 # --- dispatch -------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU dispatch rules (TRITON_INTERPRET=1)")
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv(kvquant.BACKEND_ENV, raising=False)
     assert kvquant.backend_for("cpu") == "torch"
@@ -345,7 +397,7 @@ def test_cache_and_attention_through_the_triton_backend(tk, monkeypatch):
     """QuantizedLayer's quantize-on-append and kvdemo attention's decode path, dispatched to Triton,
     give the same bytes and (within tolerance) the same attention output as the torch backend."""
     spec, grp = "k8v4:g16:r16:s4", 3
-    states = [_keys((1, 2, n, 64), seed=20 + n) for n in (37, 1, 1)]
+    states = [_keys((1, 2, n, 64), seed=20 + n).to(DEVICE) for n in (37, 1, 1)]
     runs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
@@ -355,7 +407,7 @@ def test_cache_and_attention_through_the_triton_backend(tk, monkeypatch):
             view, _ = layer.update(k, k.flip(-1))
             if view.past_len:
                 query = torch.randn(1, 2 * grp, k.shape[-2], 64, generator=torch.Generator().manual_seed(i))
-                outs.append(attention.attend(query, view, 0.125))
+                outs.append(attention.attend(query.to(DEVICE), view, 0.125).cpu())
         runs[backend] = (layer, outs)
     (a, outs_a), (b, outs_b) = runs["torch"], runs["triton"]
     assert a.quant_len == b.quant_len == 32
@@ -370,6 +422,7 @@ def test_cache_and_attention_through_the_triton_backend(tk, monkeypatch):
 
 
 @pytest.mark.model
+@pytest.mark.skipif(DEVICE != "cpu", reason="the smoke run is the interpreter's; on a GPU the benchmark runs for real")
 def test_gpu_benchmark_smoke(tmp_path):
     """Every section of bench/gpu_attention.py runs and writes its JSON (a slice of --smoke: the
     end-to-end part on the torch backend only; the interpreter needs minutes for 30 layers)."""
