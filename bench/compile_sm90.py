@@ -103,7 +103,22 @@ def compile_one(fn, constexprs: dict, arch: int, num_warps: int = 4, num_stages:
         src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
     row = {"compile_s": round(time.perf_counter() - started, 2), "shared_bytes": kernel.metadata.shared}
-    return row | resources(kernel.asm["cubin"])
+    return row | resources(kernel.asm["cubin"]) | global_loads(kernel.asm["ptx"])
+
+
+def global_loads(ptx: str) -> dict:
+    """How the kernel reads global memory: asynchronous copies into shared memory by size in bytes
+    (16 is a full vector: coalesced, pipelined), direct loads by width, and tensor-core instructions."""
+    copies: dict[str, int] = {}
+    for size in re.findall(
+        r"cp\.async\.c[ga]\.shared\.global(?:\.\S+)? \[[^\]]*\], \[[^\]]*\], (0x[0-9a-f]+|\d+)", ptx
+    ):
+        key = str(int(size, 0))
+        copies[key] = copies.get(key, 0) + 1
+    loads: dict[str, int] = {}
+    for op in re.findall(r"\bld\.global(?:\.\w+)*", ptx):
+        loads[op] = loads.get(op, 0) + 1
+    return {"async_copy_bytes": copies, "global_loads": loads, "mma": len(re.findall(r"\b(?:mma|wgmma)\.", ptx))}
 
 
 def quantize_variants(quick: bool) -> list[dict]:
@@ -191,9 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in row:
             print(f"{what} FAILED {row['error']}")
         else:
+            copies = ",".join(
+                f"{n}x{b}B" for b, n in sorted(row["async_copy_bytes"].items(), key=lambda kv: -int(kv[0]))
+            )
             print(
                 f"{what} regs {row['registers']:>3}  spill stores {row['spill_stores']:>3}  "
-                f"shared {row['shared_bytes'] / 1024:5.1f} KiB  ({row['compile_s']:.1f} s)"
+                f"shared {row['shared_bytes'] / 1024:5.1f} KiB  async copies {copies or '-':<14} mma {row['mma']:>3}  "
+                f"({row['compile_s']:.1f} s)"
             )
     spilled = [r for r in rows if r.get("spill_stores", 0) > 0]
     if args.json:

@@ -40,6 +40,11 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert all(r["shared_bytes"] <= 227 * 1024 for r in rows)  # an H100/H200 block's shared-memory limit
     decode = [r for r in rows if r["kernel"] == "decode"]
     assert {r["head_dim"] for r in decode} == {64, 128} and max(r["block_m"] for r in decode) >= 64
+    assert all(r["mma"] > 0 for r in decode)  # both dots on tensor cores
+    # Llama-8B shapes (head_dim 128, decode rows, per-channel keys): every packed row, scale and
+    # residual row is fetched with full 16-byte asynchronous copies (coalesced, pipelined)
+    llama = [r for r in decode if r["head_dim"] == 128 and r["block_m"] == 16 and r["axis"] == "channel"]
+    assert llama and all(set(r["async_copy_bytes"]) == {"16"} for r in llama if "int2" not in r["format"])
 
 
 def test_compile_check_sees_spills(tmp_path):
