@@ -4,7 +4,8 @@ registers, spills and shared memory per variant (what Triton's CPU interpreter n
 Triton compiles ahead of time for a named target (`GPUTarget`) with the ptxas it ships, so a CPU
 machine finds the compile errors, register spills and shared-memory overflows that only a GPU
 build has. Arguments are specialized as the JIT specializes real cache tensors: pointers and
-strides divisible by 16 (cache rows are whole multiples of 16 bytes), lengths unspecialized.
+strides divisible by 16 (cache rows are whole multiples of 16 bytes), a last-dim stride of 1 (the JIT
+turns an argument equal to 1 into a constant), lengths unspecialized.
 
     python bench/compile_sm90.py               # every variant, a table
     python bench/compile_sm90.py --quick --json /tmp/sm90.json --strict
@@ -50,6 +51,8 @@ def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict]:
     `half` is the model's dtype (queries, full-precision keys/values, quantizer input)."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
+        if STRIDE.match(name) and name.endswith("_d"):  # a contiguous last dim: the JIT specializes 1
+            constexprs[name] = 1
         if name in constexprs:
             sig[name] = "constexpr"
             continue
