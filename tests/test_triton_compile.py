@@ -45,6 +45,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     # residual row is fetched with full 16-byte asynchronous copies (coalesced, pipelined)
     llama = [r for r in decode if r["head_dim"] == 128 and r["block_m"] == 16 and r["axis"] == "channel"]
     assert llama and all(set(r["async_copy_bytes"]) == {"16"} for r in llama if "int2" not in r["format"])
+    quantize = [r for r in rows if r["kernel"] == "quantize"]
+    assert all(set(r["global_loads"]) == {"ld.global.v4.b32"} for r in quantize)  # 16-byte vector loads
 
 
 def test_compile_check_sees_spills(tmp_path):
