@@ -153,10 +153,10 @@ def decode_variants(quick: bool) -> list[dict]:
     if not quick:
         pairs += [("int4", "int8"), ("int8", "int2"), ("fp8_e5m2", "fp8_e5m2")]
     rows = []
-    for head_dim in (64, 128) if quick else (64, 128, 256):
+    for head_dim in (64, 128) if quick else (16, 32, 64, 128, 256):
         for kf, vf in pairs:
             axes = ("channel", "token") if not quick or (kf, vf) == ("int8", "int4") else ("channel",)
-            for key_axis in axes if head_dim <= tk.MAX_HEAD_DIM_TOKEN_KEYS else ("channel",):
+            for key_axis in axes if head_dim in tk.TOKEN_KEY_HEAD_DIMS else ("channel",):
                 for block_m in sorted({16, tk.MAX_BLOCK_M[head_dim]}) if not quick or kf == vf == "int8" else (16,):
                     kb, kfp8 = FORMATS[kf]
                     vb, vfp8 = FORMATS[vf]

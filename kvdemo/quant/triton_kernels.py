@@ -65,13 +65,13 @@ def supports_quantize(fmt: str, head_dim: int) -> bool:
 
 def supports_attention(query: torch.Tensor, kv) -> bool:
     """Shapes the decode kernel handles: head_dim a power of two in [16, 256], query rows per kv head (GQA
-    group x queries) up to MAX_BLOCK_M, per-token keys up to MAX_HEAD_DIM_TOKEN_KEYS."""
+    group x queries) up to MAX_BLOCK_M, per-token keys at TOKEN_KEY_HEAD_DIMS."""
     b, hq, n, d = query.shape
     hkv = kv.sink_keys.shape[1]
     fmts_ok = kv.quant_len == 0 or (supports_quantize(kv.key_format, d) and supports_quantize(kv.value_format, d))
     if not (fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0):
         return False
-    if kv.quant_len > kv.num_sinks and kv.key_axis == "token" and d > MAX_HEAD_DIM_TOKEN_KEYS:
+    if kv.quant_len > kv.num_sinks and kv.key_axis == "token" and d not in TOKEN_KEY_HEAD_DIMS:
         return False
     return _block_m((hq // hkv) * n) <= MAX_BLOCK_M[d]
 
@@ -627,11 +627,11 @@ def _default_splits(n_tiles: int, programs: int, device: torch.device) -> int:
     return max(1, min(want, n_tiles // 4))
 
 
-# Most query rows (GQA group x queries, padded) of one attention program by head_dim, and the largest
-# head_dim with per-token keys: past these, sm_90 code spills registers (bench/compile_sm90.py), and
+# Most query rows (GQA group x queries, padded) of one attention program by head_dim, and the head dims
+# that take per-token keys: past these, sm_90 code spills registers (bench/compile_sm90.py), and
 # `past_attention` hands the call to the reference.
 MAX_BLOCK_M = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
-MAX_HEAD_DIM_TOKEN_KEYS = 128
+TOKEN_KEY_HEAD_DIMS = (32, 64, 128)
 
 
 def launch_config(head_dim: int, block_m: int) -> tuple[int, int]:
