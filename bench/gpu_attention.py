@@ -11,7 +11,7 @@ Measured in the same run, on one GPU:
    the 4 query heads of a group folded into 4 query rows (the same math for decode, one K/V read),
    and the faster counts. Also: the memory-bound limit (16-bit bytes / packed bytes read) and, at the
    shortest context, the kernel's max error against the PyTorch reference, in units of max(1, |out|);
-4. launch settings (tokens per tile, warps, pipeline stages) swept at the goal point (64k, batch 8),
+4. launch settings (tokens per tile, warps, pipeline stages, programs per SM) swept at the goal point (64k, batch 8),
    int4 and int8: the defaults are judged, the best is reported beside them;
 5. end-to-end decode tokens/s per model, precision and backend: the embedded model where it is
    installed, and `random:<config>` models (assets/model_configs, random weights: tokens/s does not
@@ -70,7 +70,7 @@ SMOKE_DEFAULTS = {
     "models": "embedded",
 }
 GOAL_POINT = (8, 65536)  # (batch, context) of the decode goals
-SWEEP = {"block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (2, 3)}
+SWEEP = {"block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (2, 3), "programs_per_sm": (2, 8, 16)}
 GOALS = {"int4_speedup_64k_b8": 2.5, "int8_speedup_64k_b8": 1.7, "quantize_fraction_of_copy": 0.6}
 
 
@@ -324,19 +324,26 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     keys, values, query = decode_inputs(batch, ctx, shape, device)
     sdpa = min(sdpa_us(keys, values, query, device, args.smoke))
     block_n, warps = tk.launch_config(shape["head_dim"], 16)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    heads = batch * shape["kv_heads"]
+    # tile x warps x stages at the default split, then programs per SM at the default tile
+    settings = [(n, w, st, None) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]]
+    settings += [(block_n, warps, 3, per_sm) for per_sm in SWEEP["programs_per_sm"]]
     rows = []
-    settings = [(n, w, st) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]]
     for fmt in ("int4", "int8"):
         kv = make_packed(keys, values, parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}"), tk)
-        for n, w, st in settings[:2] if args.smoke else settings:
+        for n, w, st, per_sm in settings[:2] + settings[-1:] if args.smoke else settings:
+            splits = None if per_sm is None else max(1, -(-per_sm * sms // heads))
 
-            def run(kv=kv, n=n, w=w, st=st):
-                return tk.past_attention(query, kv, shape["head_dim"] ** -0.5, block_n=n, num_warps=w, num_stages=st)
+            def run(kv=kv, n=n, w=w, st=st, splits=splits):
+                scale = shape["head_dim"] ** -0.5
+                return tk.past_attention(query, kv, scale, num_splits=splits, block_n=n, num_warps=w, num_stages=st)
 
             us = time_us(run, device, args.smoke)
             rows.append(
                 {"format": fmt, "context": ctx, "batch": batch, "block_n": n, "num_warps": w, "num_stages": st}
-                | {"us": us, "speedup": sdpa / us, "sdpa_us": sdpa, "default": (n, w, st) == (block_n, warps, 3)}
+                | {"programs_per_sm": per_sm or tk.PROGRAMS_PER_SM, "us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
+                | {"default": (n, w, st, per_sm) == (block_n, warps, 3, None)}
             )
     return rows
 
@@ -470,7 +477,7 @@ def goals(report: dict) -> dict:
     def best_swept(fmt: str):
         rows = [r for r in report.get("sweep", []) if r["format"] == fmt and r["context"] == 65536 and r["batch"] == 8]
         best = max(rows, key=lambda r: r["speedup"], default=None)
-        return best and {k: best[k] for k in ("speedup", "block_n", "num_warps", "num_stages")}
+        return best and {k: best[k] for k in ("speedup", "block_n", "num_warps", "num_stages", "programs_per_sm")}
 
     frac = [r["fraction_of_copy"] for r in report.get("quantize", [])]
     measured = {

@@ -454,7 +454,8 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert all(r["bit_identical_to_reference"] for r in report["quantize"])
     assert all(1.0 < r["memory_bound_limit"] < 4.0 for r in rows)
     sweep = report["sweep"]
-    assert len(sweep) == 4 and {r["format"] for r in sweep} == {"int4", "int8"} and all(r["us"] > 0 for r in sweep)
+    assert len(sweep) == 6 and {r["format"] for r in sweep} == {"int4", "int8"} and all(r["us"] > 0 for r in sweep)
+    assert {r["programs_per_sm"] for r in sweep} == {4, 16}  # the default split and a swept one
     embedded, random = report["e2e"]
     assert embedded["source"] == "embedded" and random["source"] == "random:smollm2-135m"
     assert "random weights" in random["model"] and random["prompt_tokens"] == 48

@@ -620,10 +620,13 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_
     tl.store(lse_ptr + pid * M + offs_m, lse, mask=row_ok)
 
 
+PROGRAMS_PER_SM = 4  # decode programs per SM in all (the GPU benchmark sweeps 2-16)
+
+
 def _default_splits(n_tiles: int, programs: int, device: torch.device) -> int:
-    """Splits of the sequence per (batch, kv head): about 4 programs per SM in all, >= 4 tiles each."""
+    """Splits of the sequence per (batch, kv head): about PROGRAMS_PER_SM programs per SM, >= 4 tiles each."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    want = max(1, -(-4 * sms // programs))
+    want = max(1, -(-PROGRAMS_PER_SM * sms // programs))
     return max(1, min(want, n_tiles // 4))
 
 
