@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 3's GPU checks in one call on a CUDA machine, from the repository root:
-#   1. tests/test_triton.py compiled on the GPU (every kernel test against the CPU reference),
-#   2. bench/gpu_attention.py (copy, quantize, decode vs SDPA, launch sweep, end-to-end tokens/s).
+#   1. bench/gpu_attention.py (copy, quantize, decode vs SDPA, launch sweep, end-to-end tokens/s),
+#   2. tests/test_triton.py compiled on the GPU (every kernel test against the CPU reference).
 # Writes env.txt, gpu_tests.txt, gpu_attention.json and bench.txt into $OUT (the device tool's folder),
 # else reports/device. Needs python3 with torch (CUDA), triton, transformers and pytest; nothing is
 # installed. About 6-8 minutes on an H200; each part has its own time limit so the files come back.
@@ -17,7 +17,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 KVDEMO_TRITON_TEST_
 } 2>&1 | tee "$out/env.txt"
 
 status=0
-timeout "${TEST_TIMEOUT_S:-150}" $py -m pytest -q -p no:cacheprovider tests/test_triton.py 2>&1 | tee "$out/gpu_tests.txt" || status=1
 timeout "${BENCH_TIMEOUT_S:-390}" $py bench/gpu_attention.py --out "$out/gpu_attention.json" --time-budget-s 180 "$@" 2>&1 |
     tee "$out/bench.txt" || status=1
+parallel=$($py -c "import xdist; print('-n 8')" 2>/dev/null)  # compiles in 8 processes when pytest-xdist is there
+timeout "${TEST_TIMEOUT_S:-160}" $py -m pytest -q -p no:cacheprovider $parallel tests/test_triton.py 2>&1 |
+    tee "$out/gpu_tests.txt" || status=1
 exit $status
