@@ -419,6 +419,27 @@ def test_cache_and_attention_through_the_triton_backend(tk, monkeypatch):
         assert_attention_close(x, y)
 
 
+@pytest.mark.model
+@pytest.mark.skipif(DEVICE != "cpu", reason="the model runs on the CPU here; the GPU benchmark compares backends there")
+def test_embedded_model_same_greedy_tokens_on_both_backends(lm, monkeypatch):
+    """The whole model with its cache on the Triton backend (quantize-on-append and decode attention in
+    every layer) generates what the PyTorch reference path generates, with logits within 1e-3 (measured
+    1.1e-4 of the largest logit)."""
+    from kvdemo import runner
+    from kvdemo.texts import prose_ids
+
+    ids = prose_ids(lm, 150)
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        runs[backend] = runner.run_precision(lm, ids, "k8v4:g32:r32:s4", 6, keep_logits=True)
+    torch_run, triton_run = runs["torch"], runs["triton"]
+    assert len(torch_run.tokens) == 6 and triton_run.tokens == torch_run.tokens
+    assert triton_run.cache_bytes == torch_run.cache_bytes
+    for a, b in zip(torch_run.logits, triton_run.logits, strict=True):
+        assert float((a - b).abs().max()) < 1e-3 * max(1.0, float(a.abs().max()))
+
+
 # --- GPU benchmark script, smoke mode -------------------------------------------------------------
 
 
