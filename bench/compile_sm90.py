@@ -40,16 +40,14 @@ from kvdemo.quant import triton_kernels as tk  # noqa: E402
 STRIDE = re.compile(r"^s[a-z]*_[bhtd]$")  # stride arguments: sx_t, skc_h, ...
 U8 = {"codes_ptr", "kc_ptr", "vc_ptr"}
 FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr"}
+MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # other pointers: fp16 scales
 FORMATS = {"int8": (8, 0), "int4": (4, 0), "int2": (2, 0), "fp8_e4m3": (8, 1), "fp8_e5m2": (8, 2)}
 
 
-MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # the rest are fp16 scales
-
-
-def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict]:
-    """(signature, attrs) of a kernel's arguments, specialized as the JIT does for real cache tensors;
-    `half` is the model's dtype (queries, full-precision keys/values, quantizer input)."""
-    sig, attrs = {}, {}
+def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict, dict]:
+    """(signature, attrs, constexprs) of a kernel's arguments, specialized as the JIT does for real cache
+    tensors; `half` is the model's dtype (queries, full-precision keys/values, quantizer input)."""
+    sig, attrs, constexprs = {}, {}, dict(constexprs)
     for i, name in enumerate(fn.arg_names):
         if STRIDE.match(name) and name.endswith("_d"):  # a contiguous last dim: the JIT specializes 1
             constexprs[name] = 1
@@ -64,7 +62,7 @@ def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict]:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
         if name.endswith("_ptr") or STRIDE.match(name):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, attrs
+    return sig, attrs, constexprs
 
 
 def cuda_tool(name: str) -> str:
@@ -97,9 +95,11 @@ def resources(cubin: bytes) -> dict:
     }
 
 
-def compile_one(fn, constexprs: dict, arch: int, num_warps: int = 4, num_stages: int = 3, half: str = "fp16") -> dict:
+def compile_one(
+    fn, constexprs: dict, arch: int, num_warps: int = 4, num_stages: int = tk.NUM_STAGES, half: str = "fp16"
+) -> dict:
     """Compile one variant for sm_<arch>; its compile time, shared memory, registers and spills."""
-    sig, attrs = signature(fn, constexprs, half)
+    sig, attrs, constexprs = signature(fn, constexprs, half)
     started = time.perf_counter()
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(

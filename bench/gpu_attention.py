@@ -319,21 +319,19 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     from kvdemo.quant import triton_kernels as tk
 
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
-    ctx = _ints(args.contexts)[-1] if args.smoke else 65536
-    batch = _ints(args.batches)[-1] if args.smoke else 8
+    batch, ctx = (_ints(args.batches)[-1], _ints(args.contexts)[-1]) if args.smoke else GOAL_POINT
     keys, values, query = decode_inputs(batch, ctx, shape, device)
     sdpa = min(sdpa_us(keys, values, query, device, args.smoke))
     block_n, warps = tk.launch_config(shape["head_dim"], 16)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
     heads = batch * shape["kv_heads"]
     # tile x warps x stages at the default split, then programs per SM at the default tile
     settings = [(n, w, st, None) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]]
-    settings += [(block_n, warps, 3, per_sm) for per_sm in SWEEP["programs_per_sm"]]
+    settings += [(block_n, warps, tk.NUM_STAGES, per_sm) for per_sm in SWEEP["programs_per_sm"]]
     rows = []
     for fmt in ("int4", "int8"):
         kv = make_packed(keys, values, parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}"), tk)
         for n, w, st, per_sm in settings[:2] + settings[-1:] if args.smoke else settings:
-            splits = None if per_sm is None else max(1, -(-per_sm * sms // heads))
+            splits = None if per_sm is None else tk.splits_for(heads, device, per_sm)
 
             def run(kv=kv, n=n, w=w, st=st, splits=splits):
                 scale = shape["head_dim"] ** -0.5
@@ -343,7 +341,7 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
             rows.append(
                 {"format": fmt, "context": ctx, "batch": batch, "block_n": n, "num_warps": w, "num_stages": st}
                 | {"programs_per_sm": per_sm or tk.PROGRAMS_PER_SM, "us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
-                | {"default": (n, w, st, per_sm) == (block_n, warps, 3, None)}
+                | {"default": (n, w, st, per_sm) == (block_n, warps, tk.NUM_STAGES, None)}
             )
     return rows
 
@@ -468,14 +466,17 @@ def bench_e2e(device: torch.device, args) -> list[dict]:
 def goals(report: dict) -> dict:
     """Each goal with what was measured; `met` is None where not measured, or in a smoke run."""
 
+    def at_goal(r: dict, fmt: str) -> bool:
+        return r.get("format") == fmt and (r["batch"], r["context"]) == GOAL_POINT
+
     def speedup(fmt: str):
         for r in report.get("decode", []):
-            if r.get("format") == fmt and r["context"] == 65536 and r["batch"] == 8 and "speedup" in r:
+            if at_goal(r, fmt) and "speedup" in r:
                 return r["speedup"]
         return None
 
     def best_swept(fmt: str):
-        rows = [r for r in report.get("sweep", []) if r["format"] == fmt and r["context"] == 65536 and r["batch"] == 8]
+        rows = [r for r in report.get("sweep", []) if at_goal(r, fmt)]
         best = max(rows, key=lambda r: r["speedup"], default=None)
         return best and {k: best[k] for k in ("speedup", "block_n", "num_warps", "num_stages", "programs_per_sm")}
 

@@ -621,13 +621,18 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_
 
 
 PROGRAMS_PER_SM = 4  # decode programs per SM in all (the GPU benchmark sweeps 2-16)
+NUM_STAGES = 3  # software-pipeline depth of the decode loop (the GPU benchmark sweeps 2-3)
 
 
-def _default_splits(n_tiles: int, programs: int, device: torch.device) -> int:
-    """Splits of the sequence per (batch, kv head): about PROGRAMS_PER_SM programs per SM, >= 4 tiles each."""
+def splits_for(heads: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits of the sequence per (batch, kv head) for about `programs_per_sm` programs per SM in all."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    want = max(1, -(-PROGRAMS_PER_SM * sms // programs))
-    return max(1, min(want, n_tiles // 4))
+    return max(1, -(-programs_per_sm * sms // heads))
+
+
+def _default_splits(n_tiles: int, heads: int, device: torch.device) -> int:
+    """`splits_for` the default programs per SM, with >= 4 tiles per split."""
+    return max(1, min(splits_for(heads, device), n_tiles // 4))
 
 
 # Most query rows (GQA group x queries, padded) of one attention program by head_dim, and the head dims
@@ -662,14 +667,14 @@ def past_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int = NUM_STAGES,
 ):
     """Fused decode attention of `query` over one layer's packed past (twin of `reference.past_attention`).
 
     query: [B, Hq, n, D] (any float dtype, any strides); kv: `kvdemo.cache.PackedKV`, kv.length > 0.
     num_splits: programs per (batch, kv head) the sequence is split over, before rounding to whole tiles:
     the quantized region and the full-precision residual get tiles of the same count each (default:
-    about 4 programs per SM). The partial results are merged by log-sum-exp.
+    about PROGRAMS_PER_SM programs per SM). The partial results are merged by log-sum-exp.
     block_n (tokens per tile, a power of two, capped by the key group), num_warps (defaults: `launch_config`)
     and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them).
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
