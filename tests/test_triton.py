@@ -483,3 +483,23 @@ def test_gpu_benchmark_smoke(tmp_path):
     for e2e in (embedded, random):
         assert e2e["backend"] == "torch" and e2e["new_tokens"] == 2 and e2e["decode_tok_s"] > 0
     assert all(g["met"] is None for g in report["goals"].values())  # never judged from a smoke run
+
+
+def test_gpu_benchmark_embedded_stand_in(monkeypatch):
+    """Where the embedded model is not installed (the device machine), its shapes run with random weights."""
+    import importlib.util
+
+    from kvdemo import models
+
+    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "bench" / "gpu_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def missing():
+        raise models.ModelLoadError("the embedded model is missing")
+
+    monkeypatch.setattr(models, "embedded_gguf", missing)
+    lm, ids = bench.e2e_model_and_prompt("embedded", torch.device("cpu"), 24, 2)
+    assert lm.source == "random:smollm2-135m" and "random weights" in lm.name
+    assert lm.model.config.num_hidden_layers == 30 and lm.model.config.num_key_value_heads == 3
+    assert len(ids) == 24
