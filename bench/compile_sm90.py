@@ -32,6 +32,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("error: unset TRITON_INTERPRET; this compiles the kernels, it does not interpret them")
 
 import triton  # noqa: E402
+from gpu_attention import GOAL_POINT, GOALS  # noqa: E402  (bench/, this script's folder)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -92,7 +93,29 @@ def resources(cubin: bytes) -> dict:
         "stack_bytes": field("STACK"),
         "spill_stores": len(re.findall(r"\bSTL(?:\.\w+)*\b", sass)),
         "spill_loads": len(re.findall(r"\bLDL(?:\.\w+)*\b", sass)),
-    }
+    } | main_loop(sass)
+
+
+def main_loop(sass: str) -> dict:
+    """Instructions per iteration of the kernel's largest loop (decode: the quantized-tile loop), per warp:
+    `loop_instructions` on the path that skips the predicated blocks inside the loop (a tile inside a key
+    block), `loop_conditional` in those blocks (run on entering a key block). Zeros when there is no loop."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    branches = []  # (address, target, predicated)
+    for addr, text in code:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m:
+            branches.append((addr, int(m.group(1), 16), text.startswith("@")))
+    loops = [(target, addr) for addr, target, _ in branches if target <= addr]
+    if not loops:
+        return {"loop_instructions": 0, "loop_conditional": 0}
+    begin, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    skipped = set()
+    for addr, target, predicated in branches:
+        if predicated and begin <= addr < target <= end:
+            skipped.update(a for a, _ in code if addr < a < target)
+    body = [a for a, _ in code if begin <= a <= end]
+    return {"loop_instructions": len(body) - len(skipped), "loop_conditional": len(skipped)}
 
 
 def compile_one(
@@ -185,6 +208,44 @@ def decode_variants(quick: bool) -> list[dict]:
 
 
 KERNELS = {"quantize": "_quantize_kernel", "decode": "_decode_split_kernel", "merge": "_merge_kernel"}
+# the device machine's H200 as read there (.library/device/KINDS.md): SMs, SM clock under load, and the
+# device-to-device copy rate (bytes read + written), used as the HBM rate for both contenders
+H200 = {"sms": 132, "clock_hz": 1.98e9, "bytes_per_s": 4.3e12}
+LLAMA_8B_KV_HEADS = 8
+
+
+def issue_per_token(row: dict) -> float:
+    """Warp instructions the decode loop issues per cached token of one (batch, kv head): the loop's steady
+    path, plus its key-block entry code once per K_GROUP tokens, times the warps, over the tile's tokens."""
+    c = row["consts"]
+    per_tile = row["loop_instructions"] + row["loop_conditional"] * c["BLOCK_N"] / c["K_GROUP"]
+    return row["num_warps"] * per_tile / c["BLOCK_N"]
+
+
+def packed_bytes_per_token(c: dict) -> float:
+    """Bytes of one token's packed K and V for one kv head: codes plus fp16 scales (and zeros, int formats)."""
+    meta = {k: 2 * (1 if c[f"{k}_FP8"] else 2) for k in "KV"}  # bytes of metadata per group
+    # per-channel keys: one group per channel per K_GROUP tokens; per-token: D / K_GROUP groups per token
+    return (
+        c["D"] * (c["K_BITS"] + c["V_BITS"]) / 8 + meta["K"] * c["D"] / c["K_GROUP"] + meta["V"] * c["D"] / c["V_GROUP"]
+    )
+
+
+def goal_floors(row: dict, batch: int, context: int, gpu: dict = H200) -> dict:
+    """Lower bounds on one decode step's time at Llama-8B shapes: the kernel's issue floor (every scheduler
+    issues one warp instruction per cycle; real kernels stall, so real time is longer) and memory floors
+    (bytes / HBM rate) for it and for 16-bit SDPA. `ceiling`: the speedup over SDPA if SDPA ran at its
+    memory floor and the kernel at the larger of its floors (a slower SDPA would give more)."""
+    tokens = batch * LLAMA_8B_KV_HEADS * context
+    issue_s = tokens * issue_per_token(row) / (gpu["sms"] * 4 * gpu["clock_hz"])
+    memory_s = tokens * packed_bytes_per_token(row["consts"]) / gpu["bytes_per_s"]
+    sdpa_s = tokens * 2 * row["consts"]["D"] * 2 / gpu["bytes_per_s"]
+    return {
+        "issue_ms": issue_s * 1e3,
+        "memory_ms": memory_s * 1e3,
+        "sdpa_memory_ms": sdpa_s * 1e3,
+        "ceiling": sdpa_s / max(issue_s, memory_s),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +279,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"({row['compile_s']:.1f} s)"
             )
     spilled = [r for r in rows if r.get("spill_stores", 0) > 0]
+    batch, context = GOAL_POINT
+    print(f"\nDecode at Llama-8B shapes, batch {batch}, context {context}, on an H200 (floors, not measurements):")
+    for row in rows:
+        if row["kernel"] == "decode" and "error" not in row and "half" not in row and row["head_dim"] == 128:
+            if row["block_m"] == 16 and row["axis"] == "channel":
+                row["issue_per_token"] = round(issue_per_token(row), 1)
+                row["goal_floors"] = {k: round(v, 4) for k, v in goal_floors(row, batch, context).items()}
+                f = row["goal_floors"]
+                print(
+                    f"  {row['format']:<22} {row['issue_per_token']:5.1f} warp instructions per token: issue "
+                    f"{f['issue_ms']:.3f} ms, memory {f['memory_ms']:.3f} ms; 16-bit SDPA memory "
+                    f"{f['sdpa_memory_ms']:.3f} ms -> speedup at most {f['ceiling']:.2f}x"
+                )
+    print(f"  goals: int4 >= {GOALS['int4_speedup_64k_b8']}x, int8 >= {GOALS['int8_speedup_64k_b8']}x")
     if args.json:
         Path(args.json).write_text(
             json.dumps({"triton": triton.__version__, "arch": args.arch, "rows": rows}, indent=2)

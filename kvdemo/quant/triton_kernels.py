@@ -159,20 +159,25 @@ def _dequantize_rows(code, scale, zero, GROUP: tl.constexpr, FP8: tl.constexpr, 
 
 
 @triton.jit
-def _dot_hi_lo(a, b):
-    """a [BM, K] fp32 @ b [K, BN] fp16 on fp16 tensor cores, to about fp32 accuracy: a = hi + lo, both fp16."""
+def _hi_lo(a):
+    """fp32 a -> (hi, lo) fp16 with hi + lo = a to about fp32 accuracy (within fp16's range)."""
     hi = a.to(tl.float16)
-    lo = (a - hi.to(tl.float32)).to(tl.float16)
-    return tl.dot(hi, b) + tl.dot(lo, b)
+    return hi, (a - hi.to(tl.float32)).to(tl.float16)
 
 
 @triton.jit
-def _dot_f32(a, b):
-    """a [BM, K] fp32 @ b [K, BN] fp32 on fp16 tensor cores, to about fp32 accuracy: hi/lo halves of both,
-    three dots (the lo x lo term is below fp32 rounding)."""
-    b_hi = b.to(tl.float16)
-    b_lo = (b - b_hi.to(tl.float32)).to(tl.float16)
-    return _dot_hi_lo(a, b_hi) + tl.dot(a.to(tl.float16), b_lo)
+def _dot_hi_lo(a_hi, a_lo, b):
+    """a [BM, K] fp32, given as its fp16 halves (`_hi_lo`), @ b [K, BN] fp16 on fp16 tensor cores, to about
+    fp32 accuracy."""
+    return tl.dot(a_hi, b) + tl.dot(a_lo, b)
+
+
+@triton.jit
+def _dot_f32(a_hi, a_lo, b):
+    """a [BM, K] fp32 (its fp16 halves) @ b [K, BN] fp32 on fp16 tensor cores, to about fp32 accuracy: hi/lo
+    halves of both, three dots (the lo x lo term is below fp32 rounding)."""
+    b_hi, b_lo = _hi_lo(b)
+    return _dot_hi_lo(a_hi, a_lo, b_hi) + tl.dot(a_hi, b_lo)
 
 
 @triton.jit
@@ -388,7 +393,7 @@ def _online_update(acc, m_i, l_i, s, v):
 
 @triton.jit
 def _full_segment(
-    acc, m_i, l_i, q, k_base, v_base, sk_t, sv_t, row_begin, row_end, BLOCK_N: tl.constexpr, D: tl.constexpr
+    acc, m_i, l_i, q_hi, q_lo, k_base, v_base, sk_t, sv_t, row_begin, row_end, BLOCK_N: tl.constexpr, D: tl.constexpr
 ):
     """Full-precision keys/values rows [row_begin, row_end) of one (batch, kv head): sinks or residual.
 
@@ -402,9 +407,9 @@ def _full_segment(
         valid = pos < row_end
         k = tl.load(k_base + pos[:, None] * sk_t + offs_d[None, :], mask=valid[:, None], other=0.0)
         if k.dtype == tl.float32:
-            s = _dot_f32(q, tl.trans(k))  # [BM, BN]
+            s = _dot_f32(q_hi, q_lo, tl.trans(k))  # [BM, BN]
         else:
-            s = _dot_hi_lo(q, tl.trans(k.to(tl.float16)))  # fp16 and bf16 values are exact in fp16
+            s = _dot_hi_lo(q_hi, q_lo, tl.trans(k.to(tl.float16)))  # fp16 and bf16 values are exact in fp16
         s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v.to(tl.float16))
@@ -498,6 +503,7 @@ def _decode_split_kernel(
     head = h * grp + offs_m // N_Q  # query head of row m (rows = head in group, query index)
     q_ptrs = q_ptr + b * sq_b + head[:, None] * sq_h + (offs_m % N_Q)[:, None] * sq_t + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale  # [BM, D], log2 domain
+    q_hi, q_lo = _hi_lo(q)  # the dots' fp16 halves, for full-precision and per-token keys
 
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -509,7 +515,8 @@ def _decode_split_kernel(
                 acc,
                 m_i,
                 l_i,
-                q,
+                q_hi,
+                q_lo,
                 sk_ptr + b * ssk_b + h * ssk_h,
                 sv_ptr + b * ssv_b + h * ssv_h,
                 ssk_t,
@@ -525,7 +532,8 @@ def _decode_split_kernel(
             acc,
             m_i,
             l_i,
-            q,
+            q_hi,
+            q_lo,
             rk_ptr + b * srk_b + h * srk_h,
             rv_ptr + b * srv_b + h * srv_h,
             srk_t,
@@ -549,21 +557,29 @@ def _decode_split_kernel(
         n_tiles = tl.cdiv(Q, BLOCK_N)
         t_begin = pid_s * tiles_per_split
         t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+        # per-channel keys: q with the current key block's scales folded in (fp16 hi + lo halves) and q . zero;
+        # a tile lies in one block (block_n <= K_GROUP), so they change once per block, not per tile
+        qs_hi = tl.zeros([BLOCK_M, D], dtype=tl.float16)
+        qs_lo = tl.zeros([BLOCK_M, D], dtype=tl.float16)
+        qz = tl.zeros([BLOCK_M], dtype=tl.float32)
         for tile in range(t_begin, t_end):
             start = tile * BLOCK_N
             pos = start + offs_n  # [BN] absolute positions (int32, see _full_segment); rows [0, S) are dummies
             valid = (pos >= S) & (pos < Q)
             kbyte = tl.load(kc_base + pos[:, None] * skc_t + tl.arange(0, KDP)[None, :], mask=valid[:, None], other=0)
             kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D)  # [BN, D] fp16
-            if K_CHANNEL:  # the tile lies in key block start // K_GROUP: fold its scales into q
-                blk = start // K_GROUP
-                ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
-                if K_FP8 != 0:
-                    ks = ks * _FP8_UNIT
-                s = _dot_hi_lo(q * ks[None, :], tl.trans(kcode))  # [BM, BN]
-                if K_FP8 == 0:
-                    kz = tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)
-                    s += tl.sum(q * kz[None, :], 1)[:, None]
+            if K_CHANNEL:
+                if (tile == t_begin) or (start % K_GROUP == 0):  # entering key block start // K_GROUP
+                    blk = start // K_GROUP
+                    ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
+                    if K_FP8 != 0:
+                        ks = ks * _FP8_UNIT
+                    qs_hi, qs_lo = _hi_lo(q * ks[None, :])
+                    if K_FP8 == 0:
+                        kz = tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)
+                        qz = tl.sum(q * kz[None, :], 1)
+                kt = tl.trans(kcode)
+                s = tl.dot(qs_hi, kt) + tl.dot(qs_lo, kt) + qz[:, None]  # [BM, BN]
             else:  # per-token key groups: dequantize the tile in registers
                 kg = tl.arange(0, KNG)[None, :]
                 ks = tl.load(ks_base + pos[:, None] * sks_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
@@ -573,7 +589,7 @@ def _decode_split_kernel(
                 else:
                     ks = ks * _FP8_UNIT
                 k = _dequantize_rows(kcode, ks, kz, K_GROUP, K_FP8, BLOCK_N, D)  # [BN, D] fp32
-                s = _dot_f32(q, tl.trans(k))
+                s = _dot_f32(q_hi, q_lo, tl.trans(k))
             s = tl.where(valid[None, :], s, float("-inf"))
             vbyte = tl.load(vc_base + pos[:, None] * svc_t + tl.arange(0, VDP)[None, :], mask=valid[:, None], other=0)
             vg = tl.arange(0, VNG)[None, :]
