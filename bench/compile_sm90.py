@@ -28,9 +28,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    sys.exit("error: unset TRITON_INTERPRET; this compiles the kernels, it does not interpret them")
-
 import triton  # noqa: E402
 from gpu_attention import GOAL_POINT, GOALS  # noqa: E402  (bench/, this script's folder)
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -255,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--strict", action="store_true", help="exit 1 if any variant spills registers")
     args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # the kernels were built for the interpreter
+        sys.exit("error: unset TRITON_INTERPRET; this compiles the kernels, it does not interpret them")
     rows, failed = quantize_variants(args.quick) + decode_variants(args.quick), 0
     print(f"triton {triton.__version__}, sm_{args.arch}")
     for row in rows:

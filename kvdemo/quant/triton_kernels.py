@@ -558,7 +558,9 @@ def _decode_split_kernel(
         t_begin = pid_s * tiles_per_split
         t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
         # per-channel keys: q with the current key block's scales folded in (fp16 hi + lo halves) and q . zero;
-        # a tile lies in one block (block_n <= K_GROUP), so they change once per block, not per tile
+        # a tile lies in one block (block_n <= K_GROUP), so they change once per block, not per tile. At
+        # head_dim 256 keeping them across tiles would spill registers: the fold runs on every tile there.
+        FOLD_ONCE: tl.constexpr = D <= 128
         qs_hi = tl.zeros([BLOCK_M, D], dtype=tl.float16)
         qs_lo = tl.zeros([BLOCK_M, D], dtype=tl.float16)
         qz = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -569,7 +571,7 @@ def _decode_split_kernel(
             kbyte = tl.load(kc_base + pos[:, None] * skc_t + tl.arange(0, KDP)[None, :], mask=valid[:, None], other=0)
             kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D)  # [BN, D] fp16
             if K_CHANNEL:
-                if (tile == t_begin) or (start % K_GROUP == 0):  # entering key block start // K_GROUP
+                if (not FOLD_ONCE) or (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block
                     blk = start // K_GROUP
                     ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
                     if K_FP8 != 0:
