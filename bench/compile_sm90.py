@@ -193,6 +193,7 @@ def decode_variants(quick: bool) -> list[dict]:
                         "V_BITS": vb,
                         "V_FP8": vfp8,
                         "V_GROUP": group,
+                        "PTX": True,  # the compiled path (the interpreter tests run the Triton-ops twin)
                     }
                     rows.append(
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}

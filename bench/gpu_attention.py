@@ -72,7 +72,7 @@ SMOKE_DEFAULTS = {
     "models": "embedded",
 }
 GOAL_POINT = (8, 65536)  # (batch, context) of the decode goals
-SWEEP = {"block_n": (16, 32, 64), "num_warps": (4, 8), "num_stages": (2, 3), "programs_per_sm": (2, 8, 16)}
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "programs_per_sm": (2, 8, 16)}
 GOALS = {"int4_speedup_64k_b8": 2.5, "int8_speedup_64k_b8": 1.7, "quantize_fraction_of_copy": 0.6}
 
 

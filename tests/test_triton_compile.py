@@ -49,11 +49,11 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert all(set(r["global_loads"]) == {"ld.global.v4.b32"} for r in quantize)  # 16-byte vector loads
     # the decode loop's cost at Llama-8B shapes: the key-block fold runs on entering a block, not per tile
     # (a predicated block in the loop), and the warp instructions per cached token stay within budget
-    # (int formats: 70-73 with triton 3.9; 89 when the fold ran every tile). A regression guard on a
-    # deterministic count, not a timing.
+    # (45.7-51.2 with triton 3.9; 89 before the fold moved, 70.4 before the PTX unpacking). A regression
+    # guard on a deterministic count, not a timing.
     for r in llama:
         assert r["loop_conditional"] > 0 and r["goal_floors"]["issue_ms"] > r["goal_floors"]["memory_ms"] / 4, r
-        assert r["issue_per_token"] <= (100 if "fp8" in r["format"] else 76), (r["format"], r["issue_per_token"])
+        assert r["issue_per_token"] <= 54, (r["format"], r["issue_per_token"])
 
 
 def test_main_loop_counts_the_steady_path():

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import interpreting, reference
 from .reference import FP16_MAX, INT_BITS, MIN_SCALE, QuantizedTensor
 
 FP8_CODE = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # constexpr ids of the fp8 formats (0 = integer format)
@@ -48,6 +48,89 @@ LOG2E = 1.4426950408889634
 _FP16_MAX = tl.constexpr(FP16_MAX)  # globals read inside kernels must be constexpr
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 _FP8_UNIT = tl.constexpr(256.0)  # fp8 codes are unpacked as value / 256 (see _fp8_decode)
+
+# Compiled unpacking: PTX blocks over 4 packed bytes (bytes 0-3 of the input register are elements 0-3;
+# an output register holds elements 2i, 2i + 1 as fp16x2), the same arithmetic as `_unpack`'s Triton
+# ops, 1-2.5 instructions per code instead of 3-4. `prmt` with 0x64 high bytes makes the fp16 1024 + x
+# (exact for x < 1024); subtracting 1024, or an fma that also undoes the bit position, leaves x. The
+# blocks are marked side-effecting on purpose: that stops Triton from tracing the dots' operands back
+# to the 8-bit loads and laying both dots out for 8-bit data (register moves for the query on every
+# tile, softmax weights through shared memory). tests/test_triton_ptx.py runs each block on every byte.
+_PTX_INT8 = tl.constexpr("""{
+.reg .b32 a, b, k;
+mov.b32 k, 0x64006400;
+prmt.b32 a, $2, 0x64646464, 0x5150;
+prmt.b32 b, $2, 0x64646464, 0x5352;
+sub.f16x2 $0, a, k;
+sub.f16x2 $1, b, k;
+}""")
+_PTX_INT4 = tl.constexpr("""{
+.reg .b32 a, b, t, k, s, z;
+mov.b32 k, 0x64006400;
+mov.b32 s, 0x2C002C00;
+mov.b32 z, 0xD400D400;
+and.b32 t, $4, 0x0F0F0F0F;
+prmt.b32 a, t, 0x64646464, 0x5150;
+prmt.b32 b, t, 0x64646464, 0x5352;
+sub.f16x2 $0, a, k;
+sub.f16x2 $1, b, k;
+and.b32 t, $4, 0xF0F0F0F0;
+prmt.b32 a, t, 0x64646464, 0x5150;
+prmt.b32 b, t, 0x64646464, 0x5352;
+fma.rn.f16x2 $2, a, s, z;
+fma.rn.f16x2 $3, b, s, z;
+}""")  # outputs: low nibbles ($0, $1: 16 * c + 1024 -> c), high nibbles ($2, $3: (1024 + 16 c) / 16 - 64)
+_PTX_INT2 = tl.constexpr("""{
+.reg .b32 a, b, t, k, s1, z1, s2, z2, s3, z3;
+mov.b32 k, 0x64006400;
+mov.b32 s1, 0x34003400;
+mov.b32 z1, 0xDC00DC00;
+mov.b32 s2, 0x2C002C00;
+mov.b32 z2, 0xD400D400;
+mov.b32 s3, 0x24002400;
+mov.b32 z3, 0xCC00CC00;
+and.b32 t, $8, 0x03030303;
+prmt.b32 a, t, 0x64646464, 0x5150;
+prmt.b32 b, t, 0x64646464, 0x5352;
+sub.f16x2 $0, a, k;
+sub.f16x2 $1, b, k;
+and.b32 t, $8, 0x0C0C0C0C;
+prmt.b32 a, t, 0x64646464, 0x5150;
+prmt.b32 b, t, 0x64646464, 0x5352;
+fma.rn.f16x2 $2, a, s1, z1;
+fma.rn.f16x2 $3, b, s1, z1;
+and.b32 t, $8, 0x30303030;
+prmt.b32 a, t, 0x64646464, 0x5150;
+prmt.b32 b, t, 0x64646464, 0x5352;
+fma.rn.f16x2 $4, a, s2, z2;
+fma.rn.f16x2 $5, b, s2, z2;
+and.b32 t, $8, 0xC0C0C0C0;
+prmt.b32 a, t, 0x64646464, 0x5150;
+prmt.b32 b, t, 0x64646464, 0x5352;
+fma.rn.f16x2 $6, a, s3, z3;
+fma.rn.f16x2 $7, b, s3, z3;
+}""")  # outputs: bits 0-1, 2-3, 4-5, 6-7 of each byte (scaled by 1/4, 1/16, 1/64 back to the code)
+_PTX_E5M2 = tl.constexpr("""{
+.reg .b32 a, b, u;
+mov.b32 u, 0x1C001C00;
+prmt.b32 a, $2, 0, 0x1404;
+prmt.b32 b, $2, 0, 0x3424;
+mul.rn.f16x2 $0, a, u;
+mul.rn.f16x2 $1, b, u;
+}""")  # e5m2 is the high byte of an fp16; times 2^-8 (0x1C00) gives value / 256, exactly
+_PTX_E4M3 = tl.constexpr("""{
+.reg .b32 a, b, m;
+prmt.b32 a, $2, 0, 0x1404;
+prmt.b32 b, $2, 0, 0x3424;
+shr.b32 m, a, 1;
+and.b32 m, m, 0x3F803F80;
+and.b32 a, a, 0x80008000;
+or.b32 $0, a, m;
+shr.b32 m, b, 1;
+and.b32 m, m, 0x3F803F80;
+and.b32 b, b, 0x80008000;
+or.b32 $1, b, m;
+}""")  # sign to bit 15, exponent and mantissa one bit down: fp16 bits of value / 256 (as _fp8_decode)
 
 
 def _bits(fmt: str) -> int:
@@ -126,23 +209,48 @@ def _int_code(b, SHIFT: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _unpack(byte, BITS: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _ptx(byte, ASM: tl.constexpr, OUTPUTS: tl.constexpr):
+    """One of the _PTX_* blocks over uint8 `byte`, 4 bytes per block: OUTPUTS fp16 tensors of its shape."""
+    if OUTPUTS == 1:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r", [byte], dtype=tl.float16, is_pure=False, pack=4)
+    elif OUTPUTS == 2:
+        return tl.inline_asm_elementwise(
+            ASM, "=r,=r,=r,=r,r", [byte], dtype=(tl.float16, tl.float16), is_pure=False, pack=4
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte], dtype=(tl.float16,) * 4, is_pure=False, pack=4
+        )
+
+
+@triton.jit
+def _unpack(byte, BITS: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PTX: tl.constexpr):
     """Packed rows [BLOCK_N, D * BITS / 8] uint8 -> codes [BLOCK_N, D] fp16, exactly.
 
     Planar packing: byte column j holds channels p * DP + j in bits [p * BITS, (p + 1) * BITS).
+    PTX: the _PTX_* blocks (compiled, NVIDIA); else the same values from Triton ops (the interpreter).
     """
-    b = byte.to(tl.int32)
     if FP8 != 0:
-        codes = _fp8_decode(b, FP8)
+        if PTX:
+            codes = _ptx(byte, _PTX_E4M3 if FP8 == 1 else _PTX_E5M2, 1)
+        else:
+            codes = _fp8_decode(byte.to(tl.int32), FP8)
     elif BITS == 8:
-        codes = _int_code(b, 0, 8)
+        codes = _ptx(byte, _PTX_INT8, 1) if PTX else _int_code(byte.to(tl.int32), 0, 8)
     elif BITS == 4:
-        planes = tl.join(_int_code(b, 0, 4), _int_code(b, 4, 4))  # [BN, DP, 2 (p)]
+        if PTX:
+            lo, hi = _ptx(byte, _PTX_INT4, 2)
+        else:
+            lo, hi = _int_code(byte.to(tl.int32), 0, 4), _int_code(byte.to(tl.int32), 4, 4)
+        planes = tl.join(lo, hi)  # [BN, DP, 2 (p)]
         codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))
     else:
-        lo = tl.join(_int_code(b, 0, 2), _int_code(b, 2, 2))  # [BN, DP, 2 (p % 2)]
-        hi = tl.join(_int_code(b, 4, 2), _int_code(b, 6, 2))
-        planes = tl.join(lo, hi)  # [BN, DP, 2 (p % 2), 2 (p // 2)]
+        if PTX:
+            c0, c1, c2, c3 = _ptx(byte, _PTX_INT2, 4)
+        else:
+            b = byte.to(tl.int32)
+            c0, c1, c2, c3 = _int_code(b, 0, 2), _int_code(b, 2, 2), _int_code(b, 4, 2), _int_code(b, 6, 2)
+        planes = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [BN, DP, 2 (p % 2), 2 (p // 2)]
         codes = tl.reshape(tl.permute(planes, (0, 3, 2, 1)), (BLOCK_N, D))
     return codes
 
@@ -484,6 +592,7 @@ def _decode_split_kernel(
     V_BITS: tl.constexpr,
     V_FP8: tl.constexpr,
     V_GROUP: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
@@ -569,7 +678,7 @@ def _decode_split_kernel(
             pos = start + offs_n  # [BN] absolute positions (int32, see _full_segment); rows [0, S) are dummies
             valid = (pos >= S) & (pos < Q)
             kbyte = tl.load(kc_base + pos[:, None] * skc_t + tl.arange(0, KDP)[None, :], mask=valid[:, None], other=0)
-            kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D)  # [BN, D] fp16
+            kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D, PTX)  # [BN, D] fp16
             if K_CHANNEL:
                 if (not FOLD_ONCE) or (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block
                     blk = start // K_GROUP
@@ -601,7 +710,7 @@ def _decode_split_kernel(
                 vz = tl.load(vz_base + pos[:, None] * svz_t + vg, mask=valid[:, None], other=0.0)
             else:
                 vs = vs * _FP8_UNIT  # fp16: scales are at most 65504 / 448, times 256 stays finite
-            v = _dequantize_rows(_unpack(vbyte, V_BITS, V_FP8, BLOCK_N, D), vs, vz, V_GROUP, V_FP8, BLOCK_N, D)
+            v = _dequantize_rows(_unpack(vbyte, V_BITS, V_FP8, BLOCK_N, D, PTX), vs, vz, V_GROUP, V_FP8, BLOCK_N, D)
             acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
 
     empty = l_i == 0.0
@@ -660,10 +769,19 @@ MAX_BLOCK_M = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
 TOKEN_KEY_HEAD_DIMS = (32, 64, 128)
 
 
+def ptx_unpacking() -> bool:
+    """True where the decode kernel unpacks codes with its PTX blocks: compiled for NVIDIA (not the
+    interpreter, not ROCm); elsewhere the same arithmetic runs as Triton ops."""
+    return not interpreting() and torch.version.hip is None
+
+
 def launch_config(head_dim: int, block_m: int) -> tuple[int, int]:
     """(tokens per attention tile, warps) for a program of block_m query rows: the largest settings that
-    compile for sm_90 without register spills (`python bench/compile_sm90.py` shows each variant)."""
-    return (32 if head_dim <= 128 else 16), (4 if block_m <= 16 else 8)
+    compile for sm_90 without register spills (`python bench/compile_sm90.py` shows each variant).
+    Decode rows (block_m 16) get tiles of 64 tokens: the fewest instructions per token that do not spill."""
+    if head_dim > 128:
+        return 16, 4
+    return (64, 4) if block_m <= 16 else (32, 8)
 
 
 def _arg(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
@@ -764,6 +882,7 @@ def past_attention(
         V_BITS=_bits(v_fmt),
         V_FP8=FP8_CODE.get(v_fmt, 0),
         V_GROUP=kv.value_group if quant else d,
+        PTX=ptx_unpacking(),
         num_warps=num_warps or default_warps,
         num_stages=num_stages,
     )

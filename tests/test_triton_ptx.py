@@ -1,0 +1,135 @@
+"""The decode kernel's PTX unpacking blocks, run on every byte value by a small PTX evaluator.
+
+Compiled on NVIDIA GPUs the decode kernel unpacks codes with inline PTX (`triton_kernels._PTX_*`),
+which neither Triton's interpreter nor this CPU machine can execute. Each block is a few integer and
+fp16x2 instructions, so this file evaluates them from their text, with the PTX ISA's semantics for
+those instructions, and compares every output with an independent decoding of the byte (integer bit
+fields; fp8 through torch's float8 dtypes). The GPU tests (bench/device_check.sh) run them for real.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvdemo.quant import triton_kernels as tk  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+BYTES = np.arange(256, dtype=np.uint32)
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+    """prmt.b32 (default mode): byte i of the result is byte selector[4i:4i+4] of {b, a} (0-3: a, 4-7: b);
+    a set top bit of the selector nibble replicates that byte's sign bit instead."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (selector >> (4 * i)) & 0xF
+        byte = pool[nib & 7]
+        if nib & 8:
+            byte = np.where(byte & 0x80, 0xFF, 0).astype(np.uint32)
+        out |= byte << (8 * i)
+    return out
+
+
+def _halves(x: np.ndarray) -> np.ndarray:
+    """fp16x2 register -> [..., 2] float64 (low half first)."""
+    pair = np.stack([x & 0xFFFF, x >> 16], axis=-1).astype(np.uint16)
+    return pair.view(np.float16).astype(np.float64)
+
+
+def _pack(v: np.ndarray) -> np.ndarray:
+    """[..., 2] float64 -> fp16x2 register, each half rounded to nearest even (PTX .rn)."""
+    bits = v.astype(np.float16).view(np.uint16).astype(np.uint32)
+    return bits[..., 0] | (bits[..., 1] << 16)
+
+
+def run_ptx(asm: str, inputs: list[np.ndarray], n_outputs: int) -> list[np.ndarray]:
+    """Evaluate one PTX block: `$i` are the outputs then the inputs (uint32 arrays), named registers
+    are the block's own; the instructions are those the _PTX_* blocks use, anything else fails."""
+    regs = {f"${n_outputs + i}": x.astype(np.uint32) for i, x in enumerate(inputs)}
+
+    def val(token: str) -> np.ndarray:
+        if token in regs:
+            return regs[token]
+        return np.full_like(inputs[0], int(token, 0), dtype=np.uint32)
+
+    for line in asm.split(";"):
+        line = line.strip().strip("{}").strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [t.strip() for t in rest.split(",")]
+        dst, src = args[0], [val(t) for t in args[1:]]
+        if op in ("mov.b32", "mov.u32"):
+            res = src[0]
+        elif op == "and.b32":
+            res = src[0] & src[1]
+        elif op == "or.b32":
+            res = src[0] | src[1]
+        elif op == "shr.b32":
+            res = src[0] >> src[1]
+        elif op == "prmt.b32":
+            res = _prmt(src[0], src[1], int(args[3], 0))
+        elif op in ("sub.f16x2", "sub.rn.f16x2"):
+            res = _pack(_halves(src[0]) - _halves(src[1]))
+        elif op in ("mul.f16x2", "mul.rn.f16x2"):
+            with np.errstate(invalid="ignore"):  # e5m2's inf/nan bytes stay inf/nan (never compared)
+                res = _pack(_halves(src[0]) * _halves(src[1]))  # fp16 x fp16 is exact in float64
+        elif op == "fma.rn.f16x2":
+            res = _pack(_halves(src[0]) * _halves(src[1]) + _halves(src[2]))  # one rounding, as fma
+        else:
+            raise AssertionError(f"the evaluator does not know {op!r}")
+        regs[dst] = res.astype(np.uint32)
+    return [regs[f"${i}"] for i in range(n_outputs)]
+
+
+def unpack_bytes(asm: str, n_outputs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every byte value through the block at each of the 4 byte positions (word i holds bytes i, i + 1,
+    i + 2, i + 3 mod 256) -> (bytes [256, 4], code values [256, 4, n_outputs / 2])."""
+    elems = (BYTES[:, None] + np.arange(4, dtype=np.uint32)[None, :]) % 256  # [256 words, 4 positions]
+    packed = elems[:, 0] | (elems[:, 1] << 8) | (elems[:, 2] << 16) | (elems[:, 3] << 24)
+    regs = run_ptx(asm, [packed], n_outputs)
+    planes = []
+    for p in range(n_outputs // 2):  # output pair (2p, 2p + 1) holds elements 0-1 and 2-3 of plane p
+        planes.append(np.concatenate([_halves(regs[2 * p]), _halves(regs[2 * p + 1])], axis=-1))  # [256, 4]
+    return elems, np.stack(planes, axis=-1)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_integer_blocks_give_each_bit_field(bits):
+    asm = {8: tk._PTX_INT8, 4: tk._PTX_INT4, 2: tk._PTX_INT2}[bits].value
+    per_byte = 8 // bits
+    elems, got = unpack_bytes(asm, 2 * per_byte)
+    want = np.stack([(elems >> (bits * p)) & ((1 << bits) - 1) for p in range(per_byte)], axis=-1)
+    np.testing.assert_array_equal(got, want.astype(np.float64))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_blocks_give_the_value_over_256(fmt):
+    asm = {"fp8_e4m3": tk._PTX_E4M3, "fp8_e5m2": tk._PTX_E5M2}[fmt].value
+    dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    elems, got = unpack_bytes(asm, 2)
+    got = got[..., 0]
+    values = torch.from_numpy(elems.astype(np.uint8)).view(dtype).double().numpy() / 256.0
+    finite = np.isfinite(values)  # e4m3fn 0x7F/0xFF and e5m2's inf/nan bytes are never stored
+    assert finite.sum() >= 248 * 4
+    np.testing.assert_array_equal(got[finite], values[finite])
+    assert np.all(np.signbit(got[finite]) == np.signbit(values[finite]))  # -0.0 stays -0.0
+
+
+def test_evaluator_follows_the_isa_examples():
+    """prmt and the fp16x2 ops as the PTX ISA defines them, on hand-checked values: the evaluator is
+    the only thing between the blocks and the bytes, so it is tested on its own too."""
+    a, b = np.array([0x33221100], dtype=np.uint32), np.array([0x77665544], dtype=np.uint32)
+    assert _prmt(a, b, 0x3210)[0] == 0x33221100  # identity
+    assert _prmt(a, b, 0x7654)[0] == 0x77665544  # all from b
+    assert _prmt(a, b, 0x5140)[0] == 0x55114400  # interleave
+    assert _prmt(np.array([0x80], dtype=np.uint32), b, 0x8888)[0] == 0xFFFFFFFF  # sign replication
+    one_two = np.array([0x40003C00], dtype=np.uint32)  # fp16x2 (1.0, 2.0)
+    (out,) = run_ptx("fma.rn.f16x2 $0, $1, $1, $1;", [one_two], 1)
+    np.testing.assert_array_equal(_halves(out), [[2.0, 6.0]])
