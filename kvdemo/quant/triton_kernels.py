@@ -16,8 +16,10 @@ Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its
   log-sum-exp.
   One program serves every query head of its kv-head group (GQA: each K/V tile is read once).
   K/V stay packed in memory: a tile of packed bytes is loaded as stored and unpacked in registers to
-  fp16 codes (exact: the fp16 with bits 0x6400 | c is 1024 + c). Per-channel keys are never
-  dequantized: ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block.
+  fp16 codes (exact: the fp16 with bits 0x6400 | c is 1024 + c), by inline PTX when compiled for
+  NVIDIA (`_PTX_*`), by the same arithmetic in Triton ops in the interpreter. Per-channel keys are
+  never dequantized: ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block,
+  with ``q_c s_c`` and ``q . z`` computed once per block.
   Both dots run on fp16 tensor cores with fp32 accumulation. Scores are about fp32-accurate: fp32
   operands are split into fp16 hi + lo halves (queries always; keys stored in fp32 or dequantized per
   token too); the weights and the dequantized values of the second dot are fp16, as in
@@ -27,7 +29,8 @@ Tensors are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests
 powers of two from 16 to 256 (`supports_*` say so; the dispatcher in `kvdemo.quant` sends
 anything else to the reference). The interpreter misses what only the GPU compiler sees (register
 spills, shared memory, unsupported ops): `bench/compile_sm90.py` compiles every variant for sm_90
-on a CPU and reports them; a test keeps them compiling without spills.
+on a CPU and reports them, with the decode loop's instructions per token; tests keep them compiling
+without spills and within an instruction budget.
 References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), FlashAttention-2 (arXiv
 2307.08691) and flash-decoding (split-K over the sequence with a log-sum-exp merge).
 """
