@@ -272,6 +272,9 @@ ATTENTION_CASES = [
     ("int4:g128:r128:s4", 1, 3, 64, [130], 1, 2),  # 128-token key blocks, 64-token tiles
     ("int4:g32:r32:s4", 1, 3, 64, [20], 1, None),  # no quantized region yet: sinks + residual only
     ("full", 2, 3, 64, [150], 1, 3),  # unquantized: the residual alone, split over programs
+    ("int4:g32:r32:s4", 1, 4, 256, [100], 1, 2),  # head_dim 256: 16-token tiles, the key fold on every tile
+    ("k8v4:g16:r16:s2", 2, 2, 32, [70], 1, None),  # head_dim 32
+    ("int2:g16:r16", 1, 4, 16, [60], 1, 2),  # head_dim 16: one packed int32 word per int2 row
 ]
 
 

@@ -82,7 +82,7 @@ prmt.b32 a, t, 0x64646464, 0x5150;
 prmt.b32 b, t, 0x64646464, 0x5352;
 fma.rn.f16x2 $2, a, s, z;
 fma.rn.f16x2 $3, b, s, z;
-}""")  # outputs: low nibbles ($0, $1: 16 * c + 1024 -> c), high nibbles ($2, $3: (1024 + 16 c) / 16 - 64)
+}""")  # outputs: low nibbles ($0, $1: 1024 + c minus 1024), high nibbles ($2, $3: (1024 + 16 c) / 16 - 64)
 _PTX_INT2 = tl.constexpr("""{
 .reg .b32 a, b, t, k, s1, z1, s2, z2, s3, z3;
 mov.b32 k, 0x64006400;
