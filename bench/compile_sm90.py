@@ -9,6 +9,7 @@ turns an argument equal to 1 into a constant), lengths unspecialized.
 
     python bench/compile_sm90.py               # every variant, a table
     python bench/compile_sm90.py --quick --json /tmp/sm90.json --strict
+    python bench/compile_sm90.py --goal-rows --json /tmp/floors.json   # the goal-point floors only
 
 --strict exits 1 if any variant spills registers (or fails to compile, which always exits 1).
 """
@@ -212,6 +213,15 @@ H200 = {"sms": 132, "clock_hz": 1.98e9, "bytes_per_s": 4.3e12}
 LLAMA_8B_KV_HEADS = 8
 
 
+def is_goal_row(row: dict) -> bool:
+    """A decode variant at the goal's shapes: Llama-8B heads (head_dim 128), decode rows, per-channel keys."""
+    return (
+        row["kernel"] == "decode"
+        and "half" not in row
+        and (row["head_dim"], row["block_m"], row["axis"]) == (128, 16, "channel")
+    )
+
+
 def issue_per_token(row: dict) -> float:
     """Warp instructions the decode loop issues per cached token of one (batch, kv head): the loop's steady
     path, plus its key-block entry code once per K_GROUP tokens, times the warps, over the tile's tokens."""
@@ -252,10 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a representative subset (the test's)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--strict", action="store_true", help="exit 1 if any variant spills registers")
+    p.add_argument("--goal-rows", action="store_true", help="only the decode variants behind the goal-point floors")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # the kernels were built for the interpreter
         sys.exit("error: unset TRITON_INTERPRET; this compiles the kernels, it does not interpret them")
     rows, failed = quantize_variants(args.quick) + decode_variants(args.quick), 0
+    if args.goal_rows:
+        rows = [r for r in decode_variants(quick=True) if is_goal_row(r)]
     print(f"triton {triton.__version__}, sm_{args.arch}")
     for row in rows:
         fn = getattr(tk, KERNELS[row["kernel"]])
@@ -282,16 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     batch, context = GOAL_POINT
     print(f"\nDecode at Llama-8B shapes, batch {batch}, context {context}, on an H200 (floors, not measurements):")
     for row in rows:
-        if row["kernel"] == "decode" and "error" not in row and "half" not in row and row["head_dim"] == 128:
-            if row["block_m"] == 16 and row["axis"] == "channel":
-                row["issue_per_token"] = round(issue_per_token(row), 1)
-                row["goal_floors"] = {k: round(v, 4) for k, v in goal_floors(row, batch, context).items()}
-                f = row["goal_floors"]
-                print(
-                    f"  {row['format']:<22} {row['issue_per_token']:5.1f} warp instructions per token: issue "
-                    f"{f['issue_ms']:.3f} ms, memory {f['memory_ms']:.3f} ms; 16-bit SDPA memory "
-                    f"{f['sdpa_memory_ms']:.3f} ms -> speedup at most {f['ceiling']:.2f}x"
-                )
+        if is_goal_row(row) and "error" not in row:
+            row["issue_per_token"] = round(issue_per_token(row), 1)
+            row["goal_floors"] = {k: round(v, 4) for k, v in goal_floors(row, batch, context).items()}
+            f = row["goal_floors"]
+            print(
+                f"  {row['format']:<22} {row['issue_per_token']:5.1f} warp instructions per token: issue "
+                f"{f['issue_ms']:.3f} ms, memory {f['memory_ms']:.3f} ms; 16-bit SDPA memory "
+                f"{f['sdpa_memory_ms']:.3f} ms -> speedup at most {f['ceiling']:.2f}x"
+            )
     print(f"  goals: int4 >= {GOALS['int4_speedup_64k_b8']}x, int8 >= {GOALS['int8_speedup_64k_b8']}x")
     if args.json:
         Path(args.json).write_text(

@@ -13,7 +13,9 @@ Measured in the same run, on one GPU:
    shortest context, the kernel's max error against the PyTorch reference, in units of max(1, |out|);
 4. launch settings (tokens per tile, warps, pipeline stages, programs per SM) swept at the goal point (64k, batch 8),
    int4 and int8: the defaults are judged, the best is reported beside them;
-5. end-to-end decode tokens/s per model, precision and backend: the embedded model, and
+5. the decode loop's issue and memory floors at the goal point, from the machine code this machine's
+   triton compiles (bench/compile_sm90.py), and the measured time over the issue floor;
+6. end-to-end decode tokens/s per model, precision and backend: the embedded model, and
    `random:<config>` models (assets/model_configs, random weights: tokens/s does not depend on weight
    values). Where the embedded model is not installed (the device machine cannot take its 94 MB
    along) its shapes run with random weights, `random:smollm2-135m`, and the row says so.
@@ -38,7 +40,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -348,7 +352,25 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     return rows
 
 
-# --- 5. end-to-end tokens/s -----------------------------------------------------------------------
+# --- 5. the decode loop's floors --------------------------------------------------------------------
+
+
+def bench_floors() -> list[dict]:
+    """Issue and memory floors of the decode loop at the goal point, per format, from the machine code that
+    this machine's triton compiles (bench/compile_sm90.py --goal-rows, in a subprocess: it compiles, the
+    smoke run interprets): set beside the measured times, they say what bounds the kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "floors.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("compile_sm90.py")), "--goal-rows", "--json", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compile_sm90.py failed: {(proc.stdout + proc.stderr)[-2000:]}")
+        rows = json.loads(out.read_text())["rows"]
+    return [{"format": r["format"], "issue_per_token": r["issue_per_token"]} | r["goal_floors"] for r in rows]
+
+
+# --- 6. end-to-end tokens/s -----------------------------------------------------------------------
 
 
 class IdsOnlyTokenizer:
@@ -499,6 +521,16 @@ def goals(report: dict) -> dict:
     }
     for fmt in ("int4", "int8"):  # judged at the default launch setting; the sweep's best beside it
         out[f"{fmt}_speedup_64k_b8"]["best_launch_setting"] = best_swept(fmt)
+        floors = next((f for f in report.get("floors", []) if f["format"] == f"k:{fmt} v:{fmt}"), None)
+        measured_us = next(
+            (r["triton_us"] for r in report.get("decode", []) if at_goal(r, fmt) and "triton_us" in r), None
+        )
+        if floors:  # the kernel's time over its issue floor: how much its schedulers stall
+            out[f"{fmt}_speedup_64k_b8"]["floors_ms"] = {
+                k: floors[k] for k in ("issue_ms", "memory_ms", "sdpa_memory_ms")
+            }
+            if measured_us and not report["smoke"]:
+                out[f"{fmt}_speedup_64k_b8"]["measured_over_issue_floor"] = measured_us / 1e3 / floors["issue_ms"]
     return out
 
 
@@ -545,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantize": lambda: bench_quantize(device, args, report.get("copy", {}).get("gb_s", float("nan"))),
         "decode": lambda: bench_decode(device, args, started + args.time_budget_s),
         "sweep": lambda: bench_sweep(device, args) if sweep else [],
+        "floors": bench_floors,
         "e2e": lambda: bench_e2e(device, args) if args.models.strip() else [],
     }
     for name, run in sections.items():

@@ -486,6 +486,12 @@ def test_gpu_benchmark_smoke(tmp_path):
     for e2e in (embedded, random):
         assert e2e["backend"] == "torch" and e2e["new_tokens"] == 2 and e2e["decode_tok_s"] > 0
     assert all(g["met"] is None for g in report["goals"].values())  # never judged from a smoke run
+    floors = {f["format"]: f for f in report["floors"]}  # compiled for sm_90 here, as on the device
+    assert {"k:int4 v:int4", "k:int8 v:int8"} <= set(floors)
+    assert all(0 < f["memory_ms"] < f["sdpa_memory_ms"] and f["issue_ms"] > 0 for f in floors.values())
+    int4 = report["goals"]["int4_speedup_64k_b8"]
+    assert int4["floors_ms"]["issue_ms"] == floors["k:int4 v:int4"]["issue_ms"]
+    assert "measured_over_issue_floor" not in int4  # smoke times measure nothing
 
 
 def test_gpu_benchmark_embedded_stand_in(monkeypatch):
