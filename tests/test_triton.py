@@ -332,6 +332,37 @@ def test_past_attention_launch_settings_change_only_speed(tk, block_n, num_warps
         tk.past_attention(query, kv, 0.125, block_n=24)
 
 
+def test_past_attention_halves_the_default_tile_where_shared_memory_is_short(tk, monkeypatch):
+    """A GPU with less shared memory per block than sm_90 (a T4: 64 KiB) rejects the default 64-token tile
+    at launch: the call retries with 32 and remembers it for the shape; a tile the caller chose stays."""
+    module = getattr(tk, "_module", tk)
+    real = module._decode_split_kernel
+    tiles = []
+
+    class SmallSharedMemory:  # launches as on such a GPU: tiles past 32 tokens are out of resources
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tiles.append(kwargs["BLOCK_N"])
+                if kwargs["BLOCK_N"] > 32:
+                    raise triton.runtime.errors.OutOfResources(74 * 1024, 64 * 1024, "shared memory")
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, "_decode_split_kernel", SmallSharedMemory())
+    monkeypatch.setattr(module, "_FITTING_BLOCK_N", {})
+    kv = _layer("int4:g128:r128:s4", 1, 64, [300], seed=41).packed()
+    query = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(42))
+    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    for _ in range(2):
+        out, lse = tk.past_attention(query, kv, 0.125)
+        assert_attention_close(out, want_out)
+        assert_attention_close(lse, want_lse, "lse")
+    assert tiles == [64, 32, 32]  # halved once, then remembered for the shape
+    with pytest.raises(triton.runtime.errors.OutOfResources):
+        tk.past_attention(query, kv, 0.125, block_n=64)
+
+
 def test_past_attention_many_query_rows(tk):
     """GQA 8 x 5 queries = 40 rows (a 64-row program); past the tile limit the reference takes over."""
     kv = _layer("int4:g32:r32:s4", 1, 64, [90], seed=40).packed()

@@ -815,7 +815,8 @@ def past_attention(
     the quantized region and the full-precision residual get tiles of the same count each (default:
     about PROGRAMS_PER_SM programs per SM). The partial results are merged by log-sum-exp.
     block_n (tokens per tile, a power of two, capped by the key group), num_warps (defaults: `launch_config`)
-    and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them).
+    and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them). The
+    default tile is halved, once per shape, on a GPU whose shared memory per block cannot hold it.
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
     `supports_attention`, is handed to the reference (the decode path never passes a mask).
     """
@@ -823,14 +824,40 @@ def past_attention(
         return reference.past_attention(query, kv, scaling, mask)
     if kv.length <= 0:
         raise ValueError("past_attention needs a non-empty past (kv.length > 0)")
+    _, hq, n, d = query.shape
+    block_m = _block_m((hq // kv.sink_keys.shape[1]) * n)
+    default_n, default_warps = launch_config(d, block_m)
+    explicit_block_n = block_n is not None
+    # a GPU with less shared memory per block than sm_90 (a T4 has 64 KiB) cannot run the default tile:
+    # halve it until it launches, once per shape, and remember what fits (a block_n given is not changed)
+    fits_key = (query.device, d, block_m, kv.key_format, kv.value_format, kv.key_axis, query.dtype, num_stages)
+    block_n = block_n or _FITTING_BLOCK_N.get(fits_key, default_n)
+    while True:
+        try:
+            out, lse = _launch_decode(
+                query, kv, scaling, block_n, block_m, num_splits, num_warps or default_warps, num_stages
+            )
+            break
+        except triton.runtime.errors.OutOfResources:
+            if explicit_block_n or block_n <= 16:
+                raise
+            block_n //= 2
+    if not explicit_block_n:
+        _FITTING_BLOCK_N[fits_key] = block_n
+    return out, lse
+
+
+_FITTING_BLOCK_N: dict[tuple, int] = {}  # default tiles halved to fit a GPU's shared memory, per shape
+
+
+def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, num_stages):
+    """The two launches of `past_attention` for one tile size: the split kernel, then the merge."""
     b, hq, n, d = query.shape
     hkv = kv.sink_keys.shape[1]
     m = (hq // hkv) * n
-    block_m = _block_m(m)
-    default_n, default_warps = launch_config(d, block_m)
     s_len, q_len, r_len = kv.num_sinks, kv.quant_len, kv.residual_keys.shape[-2]
     quant = q_len > s_len
-    block_n = min(block_n or default_n, MAX_BLOCK_N)
+    block_n = min(block_n, MAX_BLOCK_N)
     if quant and kv.key_axis == "channel":
         block_n = min(block_n, kv.key_group)
     if not (_pow2(block_n) and block_n >= 16):
@@ -886,7 +913,7 @@ def past_attention(
         V_FP8=FP8_CODE.get(v_fmt, 0),
         V_GROUP=kv.value_group if quant else d,
         PTX=ptx_unpacking(),
-        num_warps=num_warps or default_warps,
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     _merge_kernel[(b * hkv,)](o_part, lse_part, out, lse, parts, m, BLOCK_M=block_m, D=d, num_warps=4)
