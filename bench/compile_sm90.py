@@ -167,7 +167,7 @@ def quantize_variants(quick: bool) -> list[dict]:
     return rows
 
 
-def decode_variants(quick: bool) -> list[dict]:
+def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     """Format pairs x key axis x head_dim x query rows: decode's 16 rows (GQA up to 16) and the most rows
     `supports_attention` lets through for the head_dim (the tile that needs the most registers)."""
     pairs = [("int4", "int4"), ("int8", "int8"), ("int8", "int4"), ("fp8_e4m3", "fp8_e4m3"), ("int2", "int2")]
@@ -181,7 +181,7 @@ def decode_variants(quick: bool) -> list[dict]:
                 for block_m in sorted({16, tk.MAX_BLOCK_M[head_dim]}) if not quick or kf == vf == "int8" else (16,):
                     kb, kfp8 = FORMATS[kf]
                     vb, vfp8 = FORMATS[vf]
-                    block_n, warps = tk.launch_config(head_dim, block_m)
+                    block_n, warps = tk.launch_config(head_dim, block_m, cc)
                     group = min(128, head_dim)
                     consts = {
                         "D": head_dim,
@@ -195,6 +195,7 @@ def decode_variants(quick: bool) -> list[dict]:
                         "V_FP8": vfp8,
                         "V_GROUP": group,
                         "PTX": True,  # the compiled path (the interpreter tests run the Triton-ops twin)
+                        "FOLD_ONCE": tk.fold_once(head_dim, cc),
                     }
                     rows.append(
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
@@ -266,9 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # the kernels were built for the interpreter
         sys.exit("error: unset TRITON_INTERPRET; this compiles the kernels, it does not interpret them")
-    rows, failed = quantize_variants(args.quick) + decode_variants(args.quick), 0
+    cc = divmod(args.arch, 10)  # the launch settings `past_attention` picks for this compute capability
+    rows, failed = quantize_variants(args.quick) + decode_variants(args.quick, cc), 0
     if args.goal_rows:
-        rows = [r for r in decode_variants(quick=True) if is_goal_row(r)]
+        rows = [r for r in decode_variants(True, cc) if is_goal_row(r)]
     print(f"triton {triton.__version__}, sm_{args.arch}")
     for row in rows:
         fn = getattr(tk, KERNELS[row["kernel"]])

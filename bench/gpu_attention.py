@@ -328,7 +328,7 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     batch, ctx = (_ints(args.batches)[-1], _ints(args.contexts)[-1]) if args.smoke else GOAL_POINT
     keys, values, query = decode_inputs(batch, ctx, shape, device)
     sdpa = min(sdpa_us(keys, values, query, device, args.smoke))
-    block_n, warps = tk.launch_config(shape["head_dim"], 16)
+    block_n, warps = tk.launch_config(shape["head_dim"], 16, tk.capability(device))
     heads = batch * shape["kv_heads"]
     # tile x warps x stages at the default split, then programs per SM at the default tile
     settings = [(n, w, st, None) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]]

@@ -596,6 +596,7 @@ def _decode_split_kernel(
     V_FP8: tl.constexpr,
     V_GROUP: tl.constexpr,
     PTX: tl.constexpr,
+    FOLD_ONCE: tl.constexpr,
 ):
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
@@ -670,9 +671,8 @@ def _decode_split_kernel(
         t_begin = pid_s * tiles_per_split
         t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
         # per-channel keys: q with the current key block's scales folded in (fp16 hi + lo halves) and q . zero;
-        # a tile lies in one block (block_n <= K_GROUP), so they change once per block, not per tile. At
-        # head_dim 256 keeping them across tiles would spill registers: the fold runs on every tile there.
-        FOLD_ONCE: tl.constexpr = D <= 128
+        # a tile lies in one block (block_n <= K_GROUP), so they change once per block, not per tile
+        # (FOLD_ONCE; where keeping them across tiles spills registers, the fold runs on every tile)
         qs_hi = tl.zeros([BLOCK_M, D], dtype=tl.float16)
         qs_lo = tl.zeros([BLOCK_M, D], dtype=tl.float16)
         qz = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -778,10 +778,25 @@ def ptx_unpacking() -> bool:
     return not interpreting() and torch.version.hip is None
 
 
-def launch_config(head_dim: int, block_m: int) -> tuple[int, int]:
-    """(tokens per attention tile, warps) for a program of block_m query rows: the largest settings that
-    compile for sm_90 without register spills (`python bench/compile_sm90.py` shows each variant).
-    Decode rows (block_m 16) get tiles of 64 tokens: the fewest instructions per token that do not spill."""
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability the kernels are tuned for on `device`; the interpreter runs sm_90's."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+
+
+def fold_once(head_dim: int, cc: tuple[int, int] = (9, 0)) -> bool:
+    """Whether the decode loop keeps the query folded with a key block's scales across the block's tiles:
+    yes where Triton's dots run on tensor cores (sm_80 and later) up to head_dim 128; at head_dim 256,
+    or with plain FMA dots (sm_75 and earlier), keeping it spills registers."""
+    return head_dim <= 128 and cc >= (8, 0)
+
+
+def launch_config(head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0)) -> tuple[int, int]:
+    """(tokens per attention tile, warps) for a program of block_m query rows on compute capability cc: the
+    largest settings that compile without register spills (`python bench/compile_sm90.py [--arch 75]`
+    shows each variant). Decode rows (block_m 16) get tiles of 64 tokens: the fewest instructions per
+    token that do not spill. Before sm_80 Triton's dots run on FMAs: 16 tokens, 8 warps."""
+    if cc < (8, 0):
+        return 16, 8
     if head_dim > 128:
         return 16, 4
     return (64, 4) if block_m <= 16 else (32, 8)
@@ -826,7 +841,8 @@ def past_attention(
         raise ValueError("past_attention needs a non-empty past (kv.length > 0)")
     _, hq, n, d = query.shape
     block_m = _block_m((hq // kv.sink_keys.shape[1]) * n)
-    default_n, default_warps = launch_config(d, block_m)
+    cc = capability(query.device)
+    default_n, default_warps = launch_config(d, block_m, cc)
     explicit_block_n = block_n is not None
     # a GPU with less shared memory per block than sm_90 (a T4 has 64 KiB) cannot run the default tile:
     # halve it until it launches, once per shape, and remember what fits (a block_n given is not changed)
@@ -834,8 +850,9 @@ def past_attention(
     block_n = block_n or _FITTING_BLOCK_N.get(fits_key, default_n)
     while True:
         try:
+            warps = num_warps or default_warps
             out, lse = _launch_decode(
-                query, kv, scaling, block_n, block_m, num_splits, num_warps or default_warps, num_stages
+                query, kv, scaling, block_n, block_m, num_splits, warps, num_stages, fold_once(d, cc)
             )
             break
         except triton.runtime.errors.OutOfResources:
@@ -850,7 +867,7 @@ def past_attention(
 _FITTING_BLOCK_N: dict[tuple, int] = {}  # default tiles halved to fit a GPU's shared memory, per shape
 
 
-def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, num_stages):
+def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, num_stages, keep_fold):
     """The two launches of `past_attention` for one tile size: the split kernel, then the merge."""
     b, hq, n, d = query.shape
     hkv = kv.sink_keys.shape[1]
@@ -913,6 +930,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         V_FP8=FP8_CODE.get(v_fmt, 0),
         V_GROUP=kv.value_group if quant else d,
         PTX=ptx_unpacking(),
+        FOLD_ONCE=keep_fold,
         num_warps=num_warps,
         num_stages=num_stages,
     )
