@@ -268,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # the kernels were built for the interpreter
         sys.exit("error: unset TRITON_INTERPRET; this compiles the kernels, it does not interpret them")
     cc = divmod(args.arch, 10)  # the launch settings `past_attention` picks for this compute capability
-    rows, failed = quantize_variants(args.quick) + decode_variants(args.quick, cc), 0
     if args.goal_rows:
         rows = [r for r in decode_variants(True, cc) if is_goal_row(r)]
+    else:
+        rows = quantize_variants(args.quick) + decode_variants(args.quick, cc)
+    failed = 0
     print(f"triton {triton.__version__}, sm_{args.arch}")
     for row in rows:
         fn = getattr(tk, KERNELS[row["kernel"]])

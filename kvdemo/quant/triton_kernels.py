@@ -37,6 +37,8 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), FlashAttention-
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -55,64 +57,44 @@ _FP8_UNIT = tl.constexpr(256.0)  # fp8 codes are unpacked as value / 256 (see _f
 # Compiled unpacking: PTX blocks over 4 packed bytes (bytes 0-3 of the input register are elements 0-3;
 # an output register holds elements 2i, 2i + 1 as fp16x2), the same arithmetic as `_unpack`'s Triton
 # ops, 1-2.5 instructions per code instead of 3-4. `prmt` with 0x64 high bytes makes the fp16 1024 + x
-# (exact for x < 1024); subtracting 1024, or an fma that also undoes the bit position, leaves x. The
+# (exact for x < 1024); an fma that takes off 1024 and undoes the field's bit position leaves x. The
 # blocks are marked side-effecting on purpose: that stops Triton from tracing the dots' operands back
 # to the 8-bit loads and laying both dots out for 8-bit data (register moves for the query on every
 # tile, softmax weights through shared memory). tests/test_triton_ptx.py runs each block on every byte.
-_PTX_INT8 = tl.constexpr("""{
-.reg .b32 a, b, k;
-mov.b32 k, 0x64006400;
-prmt.b32 a, $2, 0x64646464, 0x5150;
-prmt.b32 b, $2, 0x64646464, 0x5352;
-sub.f16x2 $0, a, k;
-sub.f16x2 $1, b, k;
-}""")
-_PTX_INT4 = tl.constexpr("""{
-.reg .b32 a, b, t, k, s, z;
-mov.b32 k, 0x64006400;
-mov.b32 s, 0x2C002C00;
-mov.b32 z, 0xD400D400;
-and.b32 t, $4, 0x0F0F0F0F;
-prmt.b32 a, t, 0x64646464, 0x5150;
-prmt.b32 b, t, 0x64646464, 0x5352;
-sub.f16x2 $0, a, k;
-sub.f16x2 $1, b, k;
-and.b32 t, $4, 0xF0F0F0F0;
-prmt.b32 a, t, 0x64646464, 0x5150;
-prmt.b32 b, t, 0x64646464, 0x5352;
-fma.rn.f16x2 $2, a, s, z;
-fma.rn.f16x2 $3, b, s, z;
-}""")  # outputs: low nibbles ($0, $1: 1024 + c minus 1024), high nibbles ($2, $3: (1024 + 16 c) / 16 - 64)
-_PTX_INT2 = tl.constexpr("""{
-.reg .b32 a, b, t, k, s1, z1, s2, z2, s3, z3;
-mov.b32 k, 0x64006400;
-mov.b32 s1, 0x34003400;
-mov.b32 z1, 0xDC00DC00;
-mov.b32 s2, 0x2C002C00;
-mov.b32 z2, 0xD400D400;
-mov.b32 s3, 0x24002400;
-mov.b32 z3, 0xCC00CC00;
-and.b32 t, $8, 0x03030303;
-prmt.b32 a, t, 0x64646464, 0x5150;
-prmt.b32 b, t, 0x64646464, 0x5352;
-sub.f16x2 $0, a, k;
-sub.f16x2 $1, b, k;
-and.b32 t, $8, 0x0C0C0C0C;
-prmt.b32 a, t, 0x64646464, 0x5150;
-prmt.b32 b, t, 0x64646464, 0x5352;
-fma.rn.f16x2 $2, a, s1, z1;
-fma.rn.f16x2 $3, b, s1, z1;
-and.b32 t, $8, 0x30303030;
-prmt.b32 a, t, 0x64646464, 0x5150;
-prmt.b32 b, t, 0x64646464, 0x5352;
-fma.rn.f16x2 $4, a, s2, z2;
-fma.rn.f16x2 $5, b, s2, z2;
-and.b32 t, $8, 0xC0C0C0C0;
-prmt.b32 a, t, 0x64646464, 0x5150;
-prmt.b32 b, t, 0x64646464, 0x5352;
-fma.rn.f16x2 $6, a, s3, z3;
-fma.rn.f16x2 $7, b, s3, z3;
-}""")  # outputs: bits 0-1, 2-3, 4-5, 6-7 of each byte (scaled by 1/4, 1/16, 1/64 back to the code)
+
+
+def _fp16x2(x: float) -> str:
+    """The fp16x2 register value holding x in both halves, as PTX hex."""
+    (half,) = struct.unpack("<H", struct.pack("<e", x))
+    return f"0x{half:04X}{half:04X}"
+
+
+def _int_fields_ptx(bits: int) -> str:
+    """The PTX block for an integer format: the 8 // bits bit fields of each of 4 bytes as fp16 codes, field p
+    (bits [p * bits, (p + 1) * bits)) in outputs 2p, 2p + 1. The masked field c sits at c * 2^(p * bits), so
+    prmt makes 1024 + c * 2^(p * bits), and an fma by 2^-(p * bits) minus 1024 * 2^-(p * bits) leaves c
+    (field 0: minus 1024)."""
+    fields = 8 // bits
+    src = f"${2 * fields}"
+    lines = ["{", ".reg .b32 a, b, t, s, z;"]
+    for p in range(fields):
+        unit = 2.0 ** -(p * bits)
+        field = src
+        if bits < 8:
+            lines.append(f"and.b32 t, {src}, 0x{(((1 << bits) - 1) << (p * bits)) * 0x01010101:08X};")
+            field = "t"
+        lines += [f"prmt.b32 a, {field}, 0x64646464, 0x5150;", f"prmt.b32 b, {field}, 0x64646464, 0x5352;"]
+        if p == 0:  # the field at bit 0: just take off 1024 (a subtract takes its constant as an immediate)
+            lines += [f"mov.b32 z, {_fp16x2(1024.0)};", "sub.f16x2 $0, a, z;", "sub.f16x2 $1, b, z;"]
+        else:
+            lines += [f"mov.b32 s, {_fp16x2(unit)};", f"mov.b32 z, {_fp16x2(-1024.0 * unit)};"]
+            lines += [f"fma.rn.f16x2 ${2 * p}, a, s, z;", f"fma.rn.f16x2 ${2 * p + 1}, b, s, z;"]
+    return "\n".join(lines + ["}"])
+
+
+_PTX_INT8 = tl.constexpr(_int_fields_ptx(8))
+_PTX_INT4 = tl.constexpr(_int_fields_ptx(4))  # outputs: low nibbles ($0, $1), high nibbles ($2, $3)
+_PTX_INT2 = tl.constexpr(_int_fields_ptx(2))  # outputs: bits 0-1, 2-3, 4-5, 6-7 of each byte
 _PTX_E5M2 = tl.constexpr("""{
 .reg .b32 a, b, u;
 mov.b32 u, 0x1C001C00;
@@ -692,8 +674,7 @@ def _decode_split_kernel(
                     if K_FP8 == 0:
                         kz = tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)
                         qz = tl.sum(q * kz[None, :], 1)
-                kt = tl.trans(kcode)
-                s = tl.dot(qs_hi, kt) + tl.dot(qs_lo, kt) + qz[:, None]  # [BM, BN]
+                s = _dot_hi_lo(qs_hi, qs_lo, tl.trans(kcode)) + qz[:, None]  # [BM, BN]
             else:  # per-token key groups: dequantize the tile in registers
                 kg = tl.arange(0, KNG)[None, :]
                 ks = tl.load(ks_base + pos[:, None] * sks_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
