@@ -696,25 +696,3 @@ def load_report(out_dir: str | Path = "reports") -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-
-
-# --- CLI ---------------------------------------------------------------------------------------------
-
-
-def run_cli(args) -> dict:
-    """`python -m kvdemo bench [--quick] [--out reports] [--json]`: progress on stderr, the report returned."""
-    import sys
-
-    from .models import load_model
-
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    return run_bench(
-        lm, quick=args.quick, out_dir=args.out, on_progress=lambda m: print(m, file=sys.stderr, flush=True)
-    )
-
-
-def format_text(out: dict) -> str:
-    lines = [f"model: {out['model']}{'  (quick sizes)' if out['quick'] else ''}", "", markdown_table(out)]
-    if out.get("files"):
-        lines.append("written: " + ", ".join(out["files"].values()))
-    return "\n".join(lines)

@@ -26,7 +26,6 @@ import codecs
 import io
 import logging
 import re
-import sys
 import threading
 import unicodedata
 import zipfile
@@ -597,7 +596,7 @@ def _boundary_cut(text: str, end: int) -> str:
     return head.rstrip()
 
 
-# --- CLI ------------------------------------------------------------------------------------------
+# --- local files ----------------------------------------------------------------------------------
 
 
 def extract_file(path: str | Path, max_bytes: int = MAX_UPLOAD_BYTES) -> Document:
@@ -609,13 +608,3 @@ def extract_file(path: str | Path, max_bytes: int = MAX_UPLOAD_BYTES) -> Documen
     if size > max_bytes:
         raise DocumentError(f"file is {_mb(size)} MB; the limit is {_mb(max_bytes)} MB")
     return extract_bytes(p.read_bytes(), p.name, max_bytes)
-
-
-def run_cli(args) -> dict | str:
-    """`python -m kvdemo extract FILE [--json]`: the dict with --json, else the text (warnings on stderr)."""
-    doc = extract_file(args.file)
-    if getattr(args, "json", False):
-        return doc.to_dict()
-    for note in doc.warnings:
-        print(f"warning: {note}", file=sys.stderr)
-    return doc.text

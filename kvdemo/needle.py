@@ -793,7 +793,7 @@ def save_results(result: NeedleResult | dict, folder: str | Path) -> dict:
     return {"json": str(json_path), "csv": str(csv_path)}
 
 
-# --- CLI ----------------------------------------------------------------------------------------------------
+# --- settings as text (CLI and needle page) ---------------------------------------------------------------
 
 
 def parse_numbers(text: str, what: str, cast) -> list:
@@ -806,86 +806,3 @@ def parse_numbers(text: str, what: str, cast) -> list:
     if not values:
         raise NeedleError(f"{what}: give at least one value")
     return list(dict.fromkeys(values))
-
-
-def read_document(path: str) -> tuple[str, str]:
-    """(name, text) of a haystack file, read as the app reads uploads (kvdemo.documents)."""
-    p = Path(path)
-    if not p.is_file():
-        raise NeedleError(f"haystack file not found: {path}")
-    from .documents import extract_bytes
-
-    doc = extract_bytes(p.read_bytes(), p.name)
-    return doc.name, doc.text
-
-
-def run_cli(args) -> dict:
-    """`python -m kvdemo needle --precision ... --lengths ... --depths ... --kind ... [--haystack-file F]
-    [--needle T --question T --answer T] [--seed N] [--out DIR]`."""
-    from .models import load_model
-
-    specs = _specs_with_full(args.precision)
-    lengths = parse_numbers(args.lengths, "--lengths", int)
-    depths = parse_numbers(args.depths, "--depths", float)
-    for d in depths:
-        if not 0 <= d <= 100:
-            raise NeedleError(f"--depths: {d:g} is outside 0..100 (percent of the haystack)")
-    make_task(args.kind, cell_rng(args.seed, 0, 0.0), args.needle, args.question, args.answer)  # fail fast
-    document, name = None, "document"
-    if args.haystack_file:
-        name, document = read_document(args.haystack_file)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    result = run_grid(
-        lm,
-        lengths,
-        depths,
-        specs,
-        kind=args.kind,
-        document=document,
-        document_name=name,
-        needle=args.needle,
-        question=args.question,
-        answer=args.answer,
-        seed=args.seed,
-    )
-    out = result.to_dict()
-    if args.out:
-        out["files"] = save_results(result, args.out)
-    return out
-
-
-def _depth_label(d: float) -> str:
-    return f"{d:g}%"
-
-
-def format_text(out: dict) -> str:
-    """Per precision, a depth x length grid of pass/fail and answer log-prob, then the summary."""
-    lines = [
-        f"model: {out['model']}  needle: {out['kind']}  haystack: {out['haystack']}  seed: {out['seed']}  "
-        f"({len(out['rows'])} runs, {out['seconds']:.1f} s{', cancelled' if out['stopped'] == 'cancelled' else ''})",
-        "cells: ok/MISS and log p(true answer); depth down, prompt length in tokens across",
-    ]
-    cells = {(r["precision"], r["length"], r["depth"]): r for r in out["rows"]}
-    for label in out["precisions"]:
-        lines.append(f"\n== {label}")
-        lines.append(f"{'depth':>7}" + "".join(f"{n:>16}" for n in out["lengths"]))
-        for d in out["depths"]:
-            parts = []
-            for n in out["lengths"]:
-                r = cells.get((label, n, d))
-                parts.append(
-                    f"{'':>16}" if r is None else f"{'ok' if r['correct'] else 'MISS':>6} {r['answer_logprob']:>9.3f}"
-                )
-            lines.append(f"{_depth_label(d):>7}" + "".join(parts))
-    lines.append(f"\n{'precision':<14}{'accuracy':>10}{'mean logp':>11}{'vs full':>10}{'agree':>8}")
-    for s in out["summary"]:
-        change = "" if s["mean_logprob_change"] is None else f"{s['mean_logprob_change']:+.3f}"
-        agree = "" if s["agree_with_full"] is None else f"{s['agree_with_full']}/{s['cells']}"
-        lines.append(
-            f"{s['precision']:<14}{s['correct']:>4}/{s['cells']:<3} {s['mean_answer_logprob']:>10.3f}{change:>10}{agree:>8}"
-        )
-    for note in out.get("notes", []):
-        lines.append(f"note: {note}")
-    if out.get("files"):
-        lines.append(f"saved: {out['files']['json']}, {out['files']['csv']}")
-    return "\n".join(lines)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvdemo import attention, drift
 from kvdemo.cache import QuantizedKVCache
+from kvdemo.cli import drift as drift_cli
 from kvdemo.quant import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -230,7 +231,7 @@ def test_figures_build(out):
         figures.drift_layer_figure(out),
     ):
         assert len(fig.data) == len(out["results"])
-    assert drift.format_text({"tokens": DOC_TOKENS} | out).count("\n") > 4
+    assert drift_cli.format_text({"tokens": DOC_TOKENS} | out).count("\n") > 4
 
 
 @pytest.mark.model
@@ -251,7 +252,7 @@ def test_cli_json(tmp_path):
 
 
 def test_cli_rejects_bad_input(tmp_path, capsys):
-    from kvdemo.__main__ import main
+    from kvdemo.cli import main
 
     assert main(["drift", "--precision", "int3", "--tokens", "100"]) == 2
     assert "unknown precision" in capsys.readouterr().err

@@ -140,7 +140,7 @@ def test_hub_id_without_network_is_one_line_and_a_cached_hub_model_loads_offline
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, MemoryError])
 def test_cli_out_of_memory_is_one_line_and_exit_2(monkeypatch, capsys, error):
-    from kvdemo import __main__ as cli
+    from kvdemo import cli
 
     def oom(args):
         raise error("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvdemo import memory
 from kvdemo.cache import QuantizedKVCache
+from kvdemo.cli import memory as memory_cli
 from kvdemo.memory import (
     GB,
     MIB,
@@ -303,7 +304,7 @@ def test_loaded_model_headroom_measures_the_live_cache(lm, monkeypatch):
         precision="full,int4:g64:r64,int4:g64:r64:s4",
         json=True,
     )
-    out = memory.run_headroom_cli(args)
+    out = memory_cli.run_headroom_cli(args)
     assert out["model_config"] == "loaded" and out["model"]["layers"] == 30 and out["model"]["kv_heads"] == 3
     assert out["bytes_per_token"]["full"] == 23_040  # planning: 16-bit
     rows = {r["precision"]: r for r in out["measured"]["results"]}
@@ -317,7 +318,7 @@ def test_loaded_model_headroom_measures_the_live_cache(lm, monkeypatch):
     # the plain formula misses the 4 sink tokens kept at fp32 (K and V, 4 bytes each) beside their dummy codes
     sinks = rows["int4:g64:r64:s4"]
     assert sinks["bytes"] - sinks["formula_plain_bytes"] == 4 * 30 * 3 * 64 * 2 * 4
-    assert "measured live cache" in memory.format_headroom(out)
+    assert "measured live cache" in memory_cli.format_headroom(out)
 
 
 # --- production mapping ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvdemo import figures, needle, runner, texts
+from kvdemo.cli import needle as needle_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_NEEDLE = "The secret ingredient in the lighthouse keeper's soup is smoked paprika."
@@ -169,7 +170,7 @@ def test_bad_needles_are_value_errors(kw, message):
 )
 def test_cli_settings_fail_before_loading_the_model(kw, message):
     with pytest.raises(ValueError, match=message):
-        needle.run_cli(_args(**kw))
+        needle_cli.run_cli(_args(**kw))
 
 
 def test_save_results_json_and_csv(tmp_path):
@@ -181,7 +182,7 @@ def test_save_results_json_and_csv(tmp_path):
         lines = list(csv.DictReader(f))
     assert len(lines) == 4 and list(lines[0]) == needle.CSV_COLUMNS
     assert lines[3]["precision"] == "int4" and float(lines[3]["answer_logprob"]) == -2.5
-    text = needle.format_text(result.to_dict())
+    text = needle_cli.format_text(result.to_dict())
     assert "== int4" in text and "MISS" in text and "1/2" in text
 
 

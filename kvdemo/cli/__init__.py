@@ -1,0 +1,187 @@
+"""Command line: `python -m kvdemo COMMAND ...`, a thin argparse layer over the functions the pages use.
+
+This package holds the parser and `main`; one module per command group (needle, drift, memory,
+documents, bench) holds its handler and text formatter, so the domain modules compute and return data.
+
+Every command prints JSON with --json (human-readable text otherwise). A mistake a user can make
+(bad precision string, missing file, unknown model) prints one line on stderr and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..precision import parse_precision, parse_precision_list
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="embedded", help="embedded (default), a Hugging Face id, a folder or a .gguf")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _load(args):
+    from ..models import load_model
+
+    return load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def cmd_info(args) -> dict:
+    return _load(args).info()
+
+
+def cmd_memory(args) -> dict:
+    from ..memory import measure_memory
+    from ..texts import prose_ids
+
+    specs = parse_precision_list(args.precision)
+    lm = _load(args)
+    if args.tokens > lm.max_context:
+        raise ValueError(f"--tokens {args.tokens} exceeds the model's context ({lm.max_context})")
+    return measure_memory(lm, prose_ids(lm, args.tokens), specs)
+
+
+def cmd_generate(args) -> dict:
+    from ..runner import chat_ids, compare
+
+    spec = parse_precision(args.precision)
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise ValueError(f"prompt file not found: {args.prompt_file}")
+        from ..documents import extract_bytes
+
+        prompt = extract_bytes(path.read_bytes(), path.name).text
+    else:
+        prompt = args.prompt
+    if not prompt or not prompt.strip():
+        raise ValueError("give a prompt with --prompt TEXT or --prompt-file F")
+    lm = _load(args)
+    ids = chat_ids(lm, [{"role": "user", "content": prompt}])
+    if len(ids) + args.max_new_tokens > lm.max_context:
+        raise ValueError(f"prompt ({len(ids)} tokens) + new tokens exceed the model's context ({lm.max_context})")
+    return compare(lm, ids, [spec], args.max_new_tokens)
+
+
+def _text_generate(out: dict) -> str:
+    lines = [f"model: {out['model']}  prompt: {out['prompt_tokens']} tokens"]
+    for r in out["results"]:
+        lines.append(
+            f"\n== {r['precision']}: {r['decode_tok_s']:.2f} tok/s decode, prefill {r['prefill_s']:.2f} s, "
+            f"first divergence: {r['first_divergence']}\n{r['text']}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kvdemo", description="KV-cache quantization, measured.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="model name, layers, kv heads, head_dim, context, device, dtype")
+    _model_args(p)
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("memory", help="prefill real text and measure the live cache at each precision")
+    _model_args(p)
+    p.add_argument("--precision", default="full,int8,k8v4,int4,int2")
+    p.add_argument("--tokens", type=_positive_int, default=4096)
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("generate", help="full precision and a quantized cache side by side")
+    _model_args(p)
+    p.add_argument("--precision", default="int4")
+    p.add_argument("--prompt", default="")
+    p.add_argument("--prompt-file", default="")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    p.set_defaults(func=cmd_generate, text=_text_generate)
+
+    p = sub.add_parser("needle", help="needle-in-a-haystack grid: full precision vs quantized")
+    _model_args(p)
+    p.add_argument("--precision", default="full,int8,int4,int2")
+    p.add_argument("--lengths", default="1024,2048,4096", help="haystack lengths in tokens")
+    p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent")
+    p.add_argument("--kind", default="passkey", choices=["passkey", "multikey", "custom"])
+    p.add_argument("--haystack-file", default="", help="your own document as the haystack")
+    p.add_argument("--needle", default="", help="custom needle sentence")
+    p.add_argument("--question", default="", help="custom question")
+    p.add_argument("--answer", default="", help="custom expected answer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="folder for needle.json and needle.csv")
+    p.set_defaults(func=_lazy("needle", "run_cli"), text=_lazy("needle", "format_text"))
+
+    p = sub.add_parser("drift", help="attention-score drift of quantized vs full precision")
+    _model_args(p)
+    p.add_argument("--precision", default="int8,int4,int2")
+    p.add_argument("--tokens", type=_positive_int, default=2048)
+    p.add_argument("--document", default="", help="a document to use instead of the bundled prose")
+    p.add_argument("--new-tokens", type=_positive_int, default=16, help="generated tokens for the logit-KL curve")
+    p.set_defaults(func=_lazy("drift", "run_cli"), text=_lazy("drift", "format_text"))
+
+    p = sub.add_parser("headroom", help="KV bytes/token and concurrent sequences per precision on a GPU budget")
+    p.add_argument("--model-config", default="llama-3.1-8b", help="a reference config name or 'loaded'")
+    p.add_argument("--gpu", default="h100-80gb")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="custom GPU size in GB (overrides --gpu)")
+    p.add_argument("--gpus", type=_positive_int, default=1)
+    p.add_argument("--context", type=_positive_int, default=32768)
+    p.add_argument("--users", type=_positive_int, default=None, help="for max context per user")
+    p.add_argument("--weight-bits", type=int, default=16, choices=[16, 8, 4])
+    p.add_argument("--reserve-gb", type=float, default=None, help="memory kept free (activations, runtime)")
+    p.add_argument("--precision", default="full,fp8,int8,k8v4,int4,int2")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("memory", "run_headroom_cli"), text=_lazy("memory", "format_headroom"))
+
+    p = sub.add_parser("extract", help="text of a txt/md/pdf/docx/html file, as the app reads it")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("documents", "run_cli"), text=None)
+
+    p = sub.add_parser("bench", help="kvdemo vs transformers' QuantizedCache, measured in one run")
+    _model_args(p)
+    p.add_argument("--out", default="reports")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    p.set_defaults(func=_lazy("bench", "run_cli"), text=_lazy("bench", "format_text"))
+    return parser
+
+
+def _lazy(module: str, name: str):
+    """The function `name` of kvdemo.cli.<module>, imported only when the command runs."""
+
+    def call(*args):
+        import importlib
+
+        return getattr(importlib.import_module(f"kvdemo.cli.{module}"), name)(*args)
+
+    return call
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        out = args.func(args)
+    except (ValueError, FileNotFoundError) as err:  # ModelLoadError, DocumentError are ValueErrors
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (MemoryError, torch.OutOfMemoryError):
+        print("error: out of memory: try fewer tokens or a lower precision (int4, int2)", file=sys.stderr)
+        return 2
+    if isinstance(out, str):
+        print(out)
+    elif getattr(args, "json", False) or getattr(args, "text", None) is None:
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(args.text(out))
+    return 0
