@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import html
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TypeVar
 
 import streamlit as st
@@ -28,6 +27,7 @@ from kvdemo.precision import (
     KEY_AXES,
     PRESETS,
     PrecisionSpec,
+    spec_from_options,
 )
 
 MODEL_KINDS = {"embedded": "Embedded (SmolLM2-135M)", "hf": "Hugging Face id", "folder": "Local folder"}
@@ -113,8 +113,8 @@ def _precision_section() -> None:
         )
         st.number_input("Sink tokens (full precision)", 0, 255, DEFAULT_SINKS, step=1, key="kv_sinks")
     try:
-        spec = replace(
-            PRESETS[st.session_state["kv_preset"]],
+        spec = spec_from_options(
+            st.session_state["kv_preset"],
             group_size=int(st.session_state["kv_group"]),
             key_axis=st.session_state["kv_key_axis"],
             residual=int(st.session_state["kv_residual"]),
@@ -133,16 +133,10 @@ def spec() -> PrecisionSpec:
     return st.session_state.get("spec", PRESETS[DEFAULT_PRESET])
 
 
-def bytes_per_token(lm: LoadedModel, precision: PrecisionSpec, full_bits: int = 16) -> float:
-    """KV bytes per token in the quantized region (2 x layers x kv_heads x head_dim x bits / 8)."""
-    bits = precision.bits_per_element(lm.head_dim, full_bits=full_bits)["mean"]
-    return lm.kv_bytes_per_token(bits / 8)
-
-
 def _status_card(lm: LoadedModel) -> None:
     s = spec()
-    fp16 = lm.kv_bytes_per_token(2)
-    quant = bytes_per_token(lm, s)
+    fp16 = lm.kv_bytes_per_token()
+    quant = lm.kv_bytes_per_token(s)
     with st.container(border=True, key="model_status"):
         st.markdown(f"**{lm.name}**")
         st.caption(

@@ -9,7 +9,7 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo import figures
-from kvdemo.drift import document_prompt, run_drift
+from kvdemo.drift import document_prompt, run_drift, unquantized
 from kvdemo.precision import parse_precision_list
 
 lm = common.model()
@@ -86,11 +86,12 @@ if out is None:
 st.subheader(f"{out['document']}: {out['prompt_tokens']:,}-token prompt, {out['new_tokens']} generated tokens")
 st.caption(f"Full precision continued with: {out['generated']!r}")
 keys = out["prompt_tokens"] + out["new_tokens"]
-exact = [r["precision"] for r in out["results"] if keys <= r["spec"]["residual"] + r["spec"]["sinks"]]
+exact = unquantized(out)
 if exact:
     st.info(
-        f"{', '.join(exact)}: all {keys} tokens fit in the full-precision residual window, so nothing was quantized "
-        "and there is no drift to see. Use more tokens or a smaller residual (sidebar, Advanced)."
+        f"{', '.join(exact)}: all {keys} tokens were still held in full precision (sinks and residual window), so "
+        "nothing was read from quantized codes and there is no drift to see. Use more tokens or a smaller "
+        "residual (sidebar, Advanced)."
     )
 table = pd.DataFrame(
     [

@@ -6,8 +6,8 @@ from app_pages import common
 
 lm = common.model()
 spec = common.spec()
-fp16 = lm.kv_bytes_per_token(2)
-quant = common.bytes_per_token(lm, spec)
+fp16 = lm.kv_bytes_per_token()
+quant = lm.kv_bytes_per_token(spec)
 bits = spec.bits_per_element(lm.head_dim)
 
 st.title("kvdemo: what KV-cache quantization buys and costs")

@@ -200,37 +200,20 @@ def bench_quantize(device: torch.device, args, copy_gb_s: float) -> list[dict]:
 
 
 def make_packed(keys: torch.Tensor, values: torch.Tensor, spec, tk):
-    """PackedKV of `keys`/`values` [B, H, T, D] as a steady-state cache holds them: sinks, whole
-    quantized blocks, and a full-precision residual of `residual` to `residual + group - 1` tokens."""
-    from kvdemo.cache import PackedKV
+    """PackedKV of `keys`/`values` [B, H, T, D] in the regions that decoding one token at a time leaves
+    (kvdemo.layout: sinks, whole quantized blocks, a full-precision residual below `residual` tokens)."""
+    from kvdemo.cache import PackedKV, StoredPart
+    from kvdemo.layout import Layout
 
-    t, d = keys.shape[-2], keys.shape[-1]
-    g, s = spec.group_size, spec.sinks
-    q = max(((t - spec.residual) // g) * g, 0)
-    if q <= s:
-        q = 0
-    qk = tk.quantize(keys[:, :, :q], spec.key_format, spec.key_axis, spec.key_group(d)) if q else None
-    qv = tk.quantize(values[:, :, :q], spec.value_format, "token", spec.value_group(d)) if q else None
-    start = max(q, s)
-    return PackedKV(
-        key_format=spec.key_format,
-        value_format=spec.value_format,
-        key_axis=spec.key_axis,
-        key_group=spec.key_group(d),
-        value_group=spec.value_group(d),
-        sink_keys=keys[:, :, :s],
-        sink_values=values[:, :, :s],
-        quant_len=q,
-        key_codes=qk.codes if qk else None,
-        key_scale=qk.scale if qk else None,
-        key_zero=qk.zero if qk else None,
-        value_codes=qv.codes if qv else None,
-        value_scale=qv.scale if qv else None,
-        value_zero=qv.zero if qv else None,
-        residual_keys=keys[:, :, start:],
-        residual_values=values[:, :, start:],
-        length=t,
-    )
+    d = keys.shape[-1]
+    r = Layout(spec).regions([1] * keys.shape[-2])
+
+    def part(x, fmt, axis, group):
+        coded = tk.quantize(x[:, :, : r.quantized], fmt, axis, group) if r.has_codes else None
+        return StoredPart(x[:, :, : r.sinks], coded, x[:, :, r.residual_start :])
+
+    k = part(keys, spec.key_format, spec.key_axis, spec.key_group(d))
+    return PackedKV(spec, r, k, part(values, spec.value_format, "token", spec.value_group(d)))
 
 
 def decode_inputs(batch: int, ctx: int, shape: dict, device: torch.device):

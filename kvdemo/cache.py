@@ -1,18 +1,14 @@
 """`QuantizedKVCache`: a transformers `Cache` that stores keys and values as packed low-bit codes.
 
-Per layer, token positions are split into three regions (T tokens so far, s sinks, Q quantized):
-
-    [0, s)          sinks: the first tokens, full precision (model dtype)
-    [s, Q)          quantized blocks; Q is a multiple of the group size G, blocks are aligned to
-                    absolute positions, so block 0 also covers the sink slots (their codes are
-                    dummies, excluded from the block's statistics)
-    [max(Q, s), T)  residual: the newest tokens, full precision, until `residual` of them
-                    have collected; then every whole block is quantized (KIVI)
+Per layer, positions sit in three regions (sinks, quantized blocks, full-precision residual); which
+position is where, and when a block is quantized, is `kvdemo.layout.Layout`'s rule, stated once there.
+Keys and values are stored alike: each is a `_PartBuffers` (sinks, packed codes with their fp16
+scales/zeros, residual), and attention reads each as a `StoredPart`.
 
 `update()` appends and returns a `CacheView` (the layer plus this call's exact keys/values) that
 the registered attention function (kvdemo/attention.py) reads: prefill attends over the exact
-states, decoding over the packed cache. Storage grows by doubling; `nbytes()` counts the bytes of
-the live data, tensor by tensor, and the bytes allocated.
+states, decoding over the packed cache. Buffers grow by 1/16 at a time (`_Growable`); `nbytes()`
+counts the bytes of the live data, tensor by tensor, and the bytes allocated.
 """
 
 from __future__ import annotations
@@ -22,60 +18,58 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .layout import Layout, Regions
 from .precision import PrecisionSpec, parse_precision
 from .quant import quantize, reference
 from .quant.reference import QuantizedTensor
 
 
 @dataclass
+class StoredPart:
+    """One layer's stored keys (or values), positions [0, regions.tokens) of its `PackedKV`."""
+
+    sinks: torch.Tensor  # [B, H, S, D] model dtype, positions [0, S)
+    quantized: QuantizedTensor | None  # codes rows from position 0 (rows [0, S) are dummies); None: no codes
+    residual: torch.Tensor  # [B, H, R, D] model dtype, positions [max(Q, S), T)
+
+
+@dataclass
 class PackedKV:
     """What attention reads of one layer: the stored past, positions [0, length)."""
 
-    key_format: str
-    value_format: str
-    key_axis: str
-    key_group: int
-    value_group: int
-    sink_keys: torch.Tensor  # [B, H, S, D] model dtype, positions [0, S)
-    sink_values: torch.Tensor
-    quant_len: int  # Q: positions [S, Q) are read from codes (codes rows [0, S) are dummies)
-    key_codes: torch.Tensor | None  # uint8 [B, H, Q rounded up to whole blocks (channel axis), D // P]
-    key_scale: torch.Tensor | None  # fp16 [B, H, Q // G, D] (channel) or [B, H, Q, D // G] (token)
-    key_zero: torch.Tensor | None
-    value_codes: torch.Tensor | None  # uint8 [B, H, Q, D // P]
-    value_scale: torch.Tensor | None  # fp16 [B, H, Q, D // Gv]
-    value_zero: torch.Tensor | None
-    residual_keys: torch.Tensor  # [B, H, R, D], positions [max(Q, S), length)
-    residual_values: torch.Tensor
-    length: int
+    spec: PrecisionSpec
+    regions: Regions
+    keys: StoredPart
+    values: StoredPart
+
+    @property
+    def length(self) -> int:
+        return self.regions.tokens
 
     @property
     def num_sinks(self) -> int:
-        return self.sink_keys.shape[-2]
+        return self.regions.sinks
 
-    def quantized_keys(self) -> QuantizedTensor:
-        d = self.sink_keys.shape[-1]
-        return QuantizedTensor(
-            self.key_codes, self.key_scale, self.key_zero, self.key_format, self.key_axis, self.key_group, d
-        )
+    @property
+    def quant_len(self) -> int:
+        """Q: positions [num_sinks, Q) are read from codes (0: none)."""
+        return self.regions.quantized
 
-    def quantized_values(self) -> QuantizedTensor:
-        d = self.sink_keys.shape[-1]
-        return QuantizedTensor(
-            self.value_codes, self.value_scale, self.value_zero, self.value_format, "token", self.value_group, d
-        )
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.sinks.shape[1]
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, length) as full tensors [B, H, length, D] (slow path)."""
-        dtype = self.sink_keys.dtype
-        ks, vs = [self.sink_keys], [self.sink_values]
-        s, q = self.num_sinks, self.quant_len
-        if q > s:
-            ks.append(reference.dequantize(self.quantized_keys(), dtype)[:, :, s:q])
-            vs.append(reference.dequantize(self.quantized_values(), dtype)[:, :, s:q])
-        ks.append(self.residual_keys)
-        vs.append(self.residual_values)
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        return _whole(self.keys, self.regions), _whole(self.values, self.regions)
+
+
+def _whole(part: StoredPart, r: Regions) -> torch.Tensor:
+    pieces = [part.sinks]
+    if r.has_codes:
+        pieces.append(reference.dequantize(part.quantized, part.sinks.dtype)[:, :, r.sinks : r.quantized])
+    pieces.append(part.residual)
+    return torch.cat(pieces, dim=-2)
 
 
 @dataclass
@@ -97,8 +91,7 @@ class CacheView:
 
     def stored_exactly(self) -> bool:
         """True when the layer holds this call's tokens in full precision (sinks or residual, not codes)."""
-        layer = self.layer
-        return self.past_len >= layer.quant_len or self.past_len + self.keys.shape[-2] <= layer.sinks
+        return Layout.holds_exactly(self.layer.regions, self.past_len, self.past_len + self.keys.shape[-2])
 
 
 class _Growable:
@@ -113,7 +106,7 @@ class _Growable:
     SPARE = 16  # spare capacity = needed // SPARE rows, at least MIN_ROWS
     MIN_ROWS = 4
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int = -2):
         self.dim, self.data, self.length = dim, None, 0
 
     @classmethod
@@ -135,7 +128,9 @@ class _Growable:
         self.data.narrow(self.dim, self.length, n).copy_(x)
         self.length += n
 
-    def view(self, length: int | None = None) -> torch.Tensor:
+    def view(self, length: int | None = None) -> torch.Tensor | None:
+        if self.data is None:
+            return None
         return self.data.narrow(self.dim, 0, self.length if length is None else length)
 
     def drop_front(self, n: int) -> None:
@@ -156,8 +151,74 @@ class _Growable:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
 
+class _PartBuffers:
+    """Storage of one of a layer's keys / values: sinks, packed codes + fp16 metadata, residual."""
+
+    def __init__(self, fmt: str, axis: str):
+        self.fmt, self.axis = fmt, axis
+        self.group = 0  # set by `configure` once head_dim is known
+        self.sinks: torch.Tensor | None = None  # [B, H, S, D]
+        self.codes, self.scale, self.zero = _Growable(), _Growable(), _Growable()
+        self.residual = _Growable()  # [B, H, R, D]
+
+    def configure(self, x: torch.Tensor, group: int) -> None:
+        """x: the first states appended [B, H, n, D] (for dtype/device/shape); group: this part's group."""
+        self.group, self.head_dim = group, x.shape[-1]
+        self.sinks = x[:, :, :0].clone()
+
+    def append(self, x: torch.Tensor, to_sinks: int) -> None:
+        """x [B, H, n, D]: the first `to_sinks` rows go to the sinks, the rest to the residual."""
+        if to_sinks:
+            self.sinks = torch.cat([self.sinks, x[:, :, :to_sinks]], dim=-2)
+        if x.shape[-2] > to_sinks:
+            self.residual.append(x[:, :, to_sinks:])
+
+    def flush(self, take: int, pad_front: int) -> None:
+        """Quantize the residual's first `take` rows into codes; `pad_front` dummy rows (copies of the first
+        row) go before them when block 0 also covers the sink slots (excluded from the block's statistics)."""
+        x = self.residual.view(take)
+        if pad_front:
+            x = torch.cat([x[:, :, :1].expand(-1, -1, pad_front, -1), x], dim=-2)
+        q = quantize(x, self.fmt, self.axis, self.group)
+        self.codes.append(q.codes)
+        self.scale.append(q.scale)
+        if q.zero is not None:
+            self.zero.append(q.zero)
+        self.residual.drop_front(take)
+
+    def stored(self, r: Regions, code_rows: int, meta_rows: int) -> StoredPart:
+        """The part as attention reads it at regions `r` (restricted to [0, r.tokens))."""
+        quantized = None
+        if r.has_codes:
+            zero = self.zero.view(meta_rows)
+            quantized = QuantizedTensor(
+                self.codes.view(code_rows),
+                self.scale.view(meta_rows),
+                zero,
+                self.fmt,
+                self.axis,
+                self.group,
+                self.head_dim,
+            )
+        residual = self.residual.view(r.residual) if r.residual > 0 else None
+        return StoredPart(
+            self.sinks[:, :, : r.sinks], quantized, self.sinks[:, :, :0] if residual is None else residual
+        )
+
+    def nbytes(self) -> dict:
+        sinks = 0 if self.sinks is None else self.sinks.numel() * self.sinks.element_size()
+        bufs = (self.codes, self.scale, self.zero, self.residual)
+        return {
+            "codes": self.codes.live_bytes(),
+            "scales": self.scale.live_bytes() + self.zero.live_bytes(),
+            "residual": self.residual.live_bytes(),
+            "sinks": sinks,
+            "allocated": sum(b.allocated_bytes() for b in bufs) + sinks,
+        }
+
+
 class QuantizedLayer(CacheLayerMixin):
-    """One layer's packed keys/values (see the module docstring for the regions)."""
+    """One layer's packed keys and values; `regions` says where each position is (kvdemo.layout)."""
 
     is_sliding = False
     is_compileable = False
@@ -166,26 +227,38 @@ class QuantizedLayer(CacheLayerMixin):
     def __init__(self, spec: PrecisionSpec):
         super().__init__()
         self.spec = spec
-        self.length = 0  # T
-        self.quant_len = 0  # Q
-        self.sinks = spec.sinks if spec.is_quantized else 0
-        self.sink_keys = self.sink_values = None
-        self.residual_keys, self.residual_values = _Growable(-2), _Growable(-2)
-        self.key_codes, self.key_scale, self.key_zero = _Growable(-2), _Growable(-2), _Growable(-2)
-        self.value_codes, self.value_scale, self.value_zero = _Growable(-2), _Growable(-2), _Growable(-2)
+        self.layout = Layout(spec)
+        self.regions = Regions(0, 0, 0)
+        self.keys = _PartBuffers(spec.key_format, spec.key_axis)
+        self.values = _PartBuffers(spec.value_format, "token")
+
+    @property
+    def length(self) -> int:  # T
+        return self.regions.tokens
+
+    @property
+    def quant_len(self) -> int:  # Q
+        return self.regions.quantized
+
+    @property
+    def sinks(self) -> int:  # the sink count this layer keeps (0 when full precision)
+        return self.layout.num_sinks
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.head_dim = key_states.shape[-1]
-        if self.spec.is_quantized:
-            for fmt, axis_len in ((self.spec.key_format, self.head_dim), (self.spec.value_format, self.head_dim)):
+        self.head_dim = d = key_states.shape[-1]
+        spec = self.spec
+        if value_states.shape[-1] != d:
+            raise ValueError(f"value head_dim {value_states.shape[-1]} differs from key head_dim {d}")
+        if spec.is_quantized:
+            for fmt in (spec.key_format, spec.value_format):
                 per_byte = reference.codes_per_byte(fmt)
-                if axis_len % per_byte:
-                    raise ValueError(f"head_dim {axis_len} cannot be packed {per_byte} codes per byte")
-            if self.head_dim % self.spec.value_group(self.head_dim):
-                raise ValueError(f"head_dim {self.head_dim} is not a multiple of the group size")
-        empty = key_states[:, :, :0]
-        self.sink_keys, self.sink_values = empty.clone(), empty.clone()
+                if d % per_byte:
+                    raise ValueError(f"head_dim {d} cannot be packed {per_byte} codes per byte")
+            if d % spec.value_group(d):
+                raise ValueError(f"head_dim {d} is not a multiple of the group size")
+        self.keys.configure(key_states, spec.key_group(d))
+        self.values.configure(value_states, spec.value_group(d))
         self.is_initialized = True
 
     # --- transformers CacheLayerMixin API --------------------------------------------------------
@@ -193,21 +266,18 @@ class QuantizedLayer(CacheLayerMixin):
         """key_states, value_states: [B, H, n, D]. Returns (view, view) for the attention function."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        past = self.length
-        n = key_states.shape[-2]
-        k, v = key_states, value_states
-        if self.sinks and past < self.sinks:  # the first tokens go to the sink buffers
-            take = min(self.sinks - past, n)
-            self.sink_keys = torch.cat([self.sink_keys, k[:, :, :take]], dim=-2)
-            self.sink_values = torch.cat([self.sink_values, v[:, :, :take]], dim=-2)
-            k, v = k[:, :, take:], v[:, :, take:]
-        if k.shape[-2]:
-            self.residual_keys.append(k)
-            self.residual_values.append(v)
-        self.length = past + n
-        if self.spec.is_quantized and self.length - self.quant_len >= self.spec.residual:
-            self._flush()
-        view = CacheView(self, past, key_states, value_states)
+        before = self.regions
+        after = self.layout.after_append(before, key_states.shape[-2])
+        to_sinks = after.sinks - before.sinks
+        self.keys.append(key_states, to_sinks)
+        self.values.append(value_states, to_sinks)
+        if after.quantized > before.quantized:
+            start, stop = Layout.newly_coded(before, after)
+            pad = after.sinks if before.quantized == 0 else 0  # block 0: the sink slots' dummy rows
+            self.keys.flush(stop - start, pad)
+            self.values.flush(stop - start, pad)
+        self.regions = after
+        view = CacheView(self, before.tokens, key_states, value_states)
         return view, view
 
     def get_seq_length(self) -> int:
@@ -225,89 +295,29 @@ class QuantizedLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("QuantizedKVCache supports greedy / sampling, not beam search")
 
-    # --- quantization -----------------------------------------------------------------------------
-    def _flush(self) -> None:
-        """Quantize every whole block of G tokens in the residual (positions [Q, floor(T/G)*G))."""
-        g = self.spec.group_size
-        new_q = (self.length // g) * g
-        if new_q <= self.quant_len:
-            return
-        start = max(self.quant_len, self.sinks)  # first position held by the residual buffer
-        take = new_q - start
-        k = self.residual_keys.view(take)
-        v = self.residual_values.view(take)
-        if self.quant_len == 0 and self.sinks:  # block 0: sink slots padded with the first regular token
-            pad_k = k[:, :, :1].expand(-1, -1, self.sinks, -1)
-            pad_v = v[:, :, :1].expand(-1, -1, self.sinks, -1)
-            k, v = torch.cat([pad_k, k], dim=-2), torch.cat([pad_v, v], dim=-2)
-        spec, d = self.spec, self.head_dim
-        qk = quantize(k, spec.key_format, spec.key_axis, spec.key_group(d))
-        qv = quantize(v, spec.value_format, "token", spec.value_group(d))
-        self._store(qk, self.key_codes, self.key_scale, self.key_zero)
-        self._store(qv, self.value_codes, self.value_scale, self.value_zero)
-        self.residual_keys.drop_front(take)
-        self.residual_values.drop_front(take)
-        self.quant_len = new_q
-
-    @staticmethod
-    def _store(q: QuantizedTensor, codes: _Growable, scale: _Growable, zero: _Growable) -> None:
-        codes.append(q.codes)
-        scale.append(q.scale)
-        if q.zero is not None:
-            zero.append(q.zero)
-
     # --- reading ----------------------------------------------------------------------------------
     def packed(self, length: int | None = None) -> PackedKV:
         """The stored past restricted to positions [0, length) (default: everything)."""
-        length = self.length if length is None else length
-        spec, d = self.spec, getattr(self, "head_dim", 0)
-        s = min(self.sinks, length)
-        q = min(self.quant_len, length)
-        q = q if q > s else 0
-        res_len = max(length - max(self.quant_len, self.sinks), 0)
-        g = spec.group_size
-        blocks = -(-q // g) if spec.key_axis == "channel" else q  # channel axis: whole blocks, sliced later
-        key_rows = blocks * g if spec.key_axis == "channel" else q
-
-        def part(buf: _Growable, rows: int):
-            return buf.view(rows) if buf.data is not None and rows else None
-
+        if not self.is_initialized:
+            raise ValueError("the layer holds no tokens yet")
+        r = Layout.view(self.regions, self.length if length is None else length)
+        g = self.spec.group_size
+        if self.spec.key_axis == "channel":  # whole key blocks (the kernels slice rows within a block)
+            key_meta = -(-r.quantized // g)
+            key_rows = key_meta * g
+        else:
+            key_meta = key_rows = r.quantized
         return PackedKV(
-            key_format=spec.key_format,
-            value_format=spec.value_format,
-            key_axis=spec.key_axis,
-            key_group=spec.key_group(d) if d else spec.group_size,
-            value_group=spec.value_group(d) if d else spec.group_size,
-            sink_keys=self.sink_keys[:, :, :s],
-            sink_values=self.sink_values[:, :, :s],
-            quant_len=q,
-            key_codes=part(self.key_codes, key_rows),
-            key_scale=part(self.key_scale, blocks),
-            key_zero=part(self.key_zero, blocks),
-            value_codes=part(self.value_codes, q),
-            value_scale=part(self.value_scale, q),
-            value_zero=part(self.value_zero, q),
-            residual_keys=self._residual(self.residual_keys, res_len),
-            residual_values=self._residual(self.residual_values, res_len),
-            length=length,
+            self.spec,
+            r,
+            self.keys.stored(r, key_rows, key_meta),
+            self.values.stored(r, r.quantized, r.quantized),
         )
-
-    def _residual(self, buf: _Growable, rows: int) -> torch.Tensor:
-        if buf.data is None or rows == 0:
-            return self.sink_keys[:, :, :0]
-        return buf.view(rows)
 
     def nbytes(self) -> dict:
         """Bytes of live data in this layer, by kind, and bytes allocated (incl. spare capacity)."""
-        codes = self.key_codes.live_bytes() + self.value_codes.live_bytes()
-        scales = sum(b.live_bytes() for b in (self.key_scale, self.key_zero, self.value_scale, self.value_zero))
-        residual = self.residual_keys.live_bytes() + self.residual_values.live_bytes()
-        sinks = 0
-        if self.sink_keys is not None:
-            sinks = (self.sink_keys.numel() + self.sink_values.numel()) * self.sink_keys.element_size()
-        bufs = (self.key_codes, self.value_codes, self.key_scale, self.key_zero, self.value_scale, self.value_zero)
-        allocated = sum(b.allocated_bytes() for b in (*bufs, self.residual_keys, self.residual_values)) + sinks
-        return {"codes": codes, "scales": scales, "residual": residual, "sinks": sinks, "allocated": allocated}
+        k, v = self.keys.nbytes(), self.values.nbytes()
+        return {kind: k[kind] + v[kind] for kind in k}
 
 
 class QuantizedKVCache(Cache):
@@ -332,6 +342,3 @@ class QuantizedKVCache(Cache):
                 out[key] += val
         out["total"] = out["codes"] + out["scales"] + out["residual"] + out["sinks"]
         return out
-
-    def tokens(self) -> int:
-        return self.get_seq_length()

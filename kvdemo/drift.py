@@ -134,6 +134,7 @@ class StepCapture:
     outputs: torch.Tensor  # fp32 [layers, Hq, D]: attention outputs (before o_proj)
     logits: torch.Tensor  # fp32 [V]: next-token logits
     quant_len: int  # keys [sinks, quant_len) were read from quantized codes (0: none)
+    coded_keys: int  # how many keys were read from codes (kvdemo.layout.Regions.coded)
 
 
 class AttentionCapture:
@@ -144,7 +145,7 @@ class AttentionCapture:
         self.cache = cache
         self._probs: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        self._quant_len = 0
+        self._quant_len = self._coded = 0
 
     def __enter__(self) -> AttentionCapture:
         attention.observers.append(self._observe)
@@ -169,7 +170,8 @@ class AttentionCapture:
         self._probs[idx] = probs[0, :, -1].cpu()  # [Hq, keys]
         self._outputs[idx] = out[0, :, -1].float().cpu()  # [Hq, D]
         if idx == 0:
-            self._quant_len = view.packed().quant_len
+            regions = view.packed().regions
+            self._quant_len, self._coded = regions.quantized, regions.coded
 
     def take(self, position: int, logits: torch.Tensor) -> StepCapture:
         """What the last forward step recorded, stacked over layers; resets the recorder."""
@@ -181,7 +183,7 @@ class AttentionCapture:
             )
         probs = torch.stack([self._probs[i] for i in range(n_layers)])  # [layers, Hq, keys]
         outputs = torch.stack([self._outputs[i] for i in range(n_layers)])  # [layers, Hq, D]
-        step = StepCapture(position, probs, outputs, logits.float().cpu(), self._quant_len)
+        step = StepCapture(position, probs, outputs, logits.float().cpu(), self._quant_len, self._coded)
         self._probs, self._outputs = {}, {}
         return step
 
@@ -322,6 +324,7 @@ class DriftResult:
     topk_overlap: float
     output_cosine: float
     top1_agreement: float  # fraction of steps whose next-token argmax matches full precision
+    coded_keys: int = 0  # keys the last query read from quantized codes (0: the cache held all exactly)
     per_layer: list[dict] = field(default_factory=list)
     by_position: list[dict] = field(default_factory=list)
     position_profile: list[dict] = field(default_factory=list)
@@ -337,6 +340,7 @@ class DriftResult:
             "topk_overlap": self.topk_overlap,
             "output_cosine": self.output_cosine,
             "top1_agreement": self.top1_agreement,
+            "coded_keys": self.coded_keys,
             "bits_per_element": self.bits_per_element,
             "per_layer": self.per_layer,
             "by_position": self.by_position,
@@ -410,6 +414,7 @@ def measure_drift(
         topk_overlap=float(mean["topk"].mean()),
         output_cosine=float(mean["cos"].mean()),
         top1_agreement=agree / n,
+        coded_keys=got.coded_keys,
         per_layer=per_layer,
         by_position=by_position,
         position_profile=profile.rows(prof_edges),
@@ -420,6 +425,11 @@ def measure_drift(
 
 
 # --- prompts and the whole run --------------------------------------------------------------------
+
+
+def unquantized(out: dict) -> list[str]:
+    """Precisions of a `run_drift` result whose queries read no key from codes (nothing to see)."""
+    return [r["precision"] for r in out["results"] if not r.get("coded_keys")]
 
 
 def document_prompt(lm: LoadedModel, document: str, question: str = QUESTION) -> list[int]:

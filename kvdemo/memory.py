@@ -13,10 +13,10 @@ its newest tokens (the residual window: up to `residual` - 1 between decode step
 
 For capacity planning (`sequence_bytes`) `n_full` is the largest the full-precision part gets (sinks
 plus a full residual window), with full precision = 16 bits (the serving dtype; every ratio is quoted
-against a 16-bit cache). For a live cache
-(`cache_layout`, `layout_bytes`) the regions are replayed exactly as `QuantizedKVCache` fills them:
-quantized rows Q (whole blocks of group_size, including the dummy rows of the sink slots of block 0),
-sinks, and residual rows T - Q, at the model's own dtype (fp32 on CPU).
+against a 16-bit cache). For a live cache the regions come from `kvdemo.layout.Layout` (the rule the
+cache itself follows) and `kvdemo.layout.region_bytes` prices them: quantized rows Q (whole blocks of
+group_size, including the dummy rows of the sink slots of block 0), sinks, and residual rows T - Q,
+at the model's own dtype (fp32 on CPU). Bytes per token come from one formula, `layout.bytes_per_token`.
 
 Headroom (`headroom`): on G GPUs of M bytes each, tensor parallel, every GPU holds weights / G and
 ceil(kv_heads / G) KV heads of every sequence (heads are replicated when G > kv_heads, as vLLM does);
@@ -42,6 +42,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import layout
 from .precision import PrecisionSpec, parse_precision
 from .production import production_settings
 
@@ -87,7 +88,7 @@ class HeadroomError(ValueError):
 
 def fp16_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int) -> int:
     """A 16-bit cache of `tokens` tokens: the reference every ratio is quoted against."""
-    return 2 * layers * kv_heads * head_dim * 2 * tokens
+    return round(layout.bytes_per_token(layers, kv_heads, head_dim, "full", 16) * tokens)
 
 
 def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
@@ -253,15 +254,6 @@ def _check_weight_bits(weight_bits: int) -> None:
         raise HeadroomError(f"weight bits {weight_bits} not supported; allowed: {', '.join(map(str, WEIGHT_BITS))}")
 
 
-def element_bytes(spec: PrecisionSpec, head_dim: int, full_bits: int = SERVE_BITS) -> tuple[float, float]:
-    """(full, quantized) bytes of one key + one value element: full precision, and the quantized region."""
-    full = 2 * full_bits / 8
-    if not spec.is_quantized:
-        return full, full
-    bits = spec.bits_per_element(head_dim, full_bits=full_bits)
-    return full, (bits["key"] + bits["value"]) / 8
-
-
 def full_window(spec: PrecisionSpec) -> int:
     """Tokens a quantized sequence may hold at full precision, at most: sinks + residual window."""
     return spec.sinks + spec.residual if spec.is_quantized else 0
@@ -270,10 +262,9 @@ def full_window(spec: PrecisionSpec) -> int:
 def bytes_per_token(
     cfg: ModelConfig, spec: PrecisionSpec | str, full_bits: int = SERVE_BITS, kv_heads: int | None = None
 ) -> float:
-    """2 x layers x kv_heads x head_dim x bytes per element, for the quantized region of the cache."""
-    spec = parse_precision(spec)
+    """`layout.bytes_per_token` of a model config (the quantized region; kv_heads: per GPU under TP)."""
     heads = cfg.kv_heads if kv_heads is None else kv_heads
-    return cfg.layers * heads * cfg.head_dim * element_bytes(spec, cfg.head_dim, full_bits)[1]
+    return layout.bytes_per_token(cfg.layers, heads, cfg.head_dim, spec, full_bits)
 
 
 def sequence_bytes(
@@ -281,10 +272,10 @@ def sequence_bytes(
 ) -> float:
     """KV bytes of one sequence of `tokens` tokens (planning: sinks + residual window at full precision)."""
     spec = parse_precision(spec)
-    heads = cfg.kv_heads if kv_heads is None else kv_heads
-    full, quant = element_bytes(spec, cfg.head_dim, full_bits)
+    full = bytes_per_token(cfg, "full", full_bits, kv_heads)
+    quant = bytes_per_token(cfg, spec, full_bits, kv_heads)
     n_full = tokens if not spec.is_quantized else min(tokens, full_window(spec))
-    return cfg.layers * heads * cfg.head_dim * (n_full * full + (tokens - n_full) * quant)
+    return n_full * full + (tokens - n_full) * quant
 
 
 def max_tokens(
@@ -294,9 +285,8 @@ def max_tokens(
     spec = parse_precision(spec)
     if budget <= 0:
         return 0
-    heads = cfg.kv_heads if kv_heads is None else kv_heads
-    per = cfg.layers * heads * cfg.head_dim
-    full, quant = (per * b for b in element_bytes(spec, cfg.head_dim, full_bits))
+    full = bytes_per_token(cfg, "full", full_bits, kv_heads)
+    quant = bytes_per_token(cfg, spec, full_bits, kv_heads)
     window = full_window(spec)
     if not spec.is_quantized or budget < window * full:
         return int(budget // full)
@@ -308,37 +298,6 @@ def kv_heads_per_gpu(kv_heads: int, gpus: int) -> int:
     return max(1, -(-kv_heads // gpus))
 
 
-def cache_layout(spec: PrecisionSpec | str, updates: Sequence[int]) -> dict:
-    """Regions of a `QuantizedKVCache` layer after appending `updates` tokens per call (its flush rule, replayed).
-
-    Returns {"tokens", "quantized" (rows of codes, incl. the sink slots' dummy rows), "sinks", "residual"}.
-    """
-    spec = parse_precision(spec)
-    total, quant = 0, 0
-    for n in updates:
-        total += int(n)
-        if spec.is_quantized and total - quant >= spec.residual:
-            quant = max(quant, (total // spec.group_size) * spec.group_size)
-    sinks = min(spec.sinks, total) if spec.is_quantized else 0
-    return {"tokens": total, "quantized": quant, "sinks": sinks, "residual": total - max(quant, sinks)}
-
-
-def layout_bytes(
-    layers: int, kv_heads: int, head_dim: int, spec: PrecisionSpec | str, layout: dict, full_bits: int
-) -> dict:
-    """Bytes of a `cache_layout` (whole model): {"quantized", "sinks", "residual", "total"}."""
-    spec = parse_precision(spec)
-    full, quant = element_bytes(spec, head_dim, full_bits)
-    per = layers * kv_heads * head_dim
-    out = {
-        "quantized": round(per * layout["quantized"] * quant) if spec.is_quantized else 0,
-        "sinks": round(per * layout["sinks"] * full),
-        "residual": round(per * layout["residual"] * full),
-    }
-    out["total"] = out["quantized"] + out["sinks"] + out["residual"]
-    return out
-
-
 def prefill_updates(tokens: int, chunk: int | None = None) -> list[int]:
     """Tokens per cache update when `runner.prefill` appends `tokens` tokens (chunks of `chunk`)."""
     if chunk is None:
@@ -347,7 +306,7 @@ def prefill_updates(tokens: int, chunk: int | None = None) -> list[int]:
 
 
 def compare_measured(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
-    """`measure_memory` beside the formulas: exact regions (`layout_bytes`) and plain bytes/token x tokens.
+    """`measure_memory` beside the formulas: exact regions (`layout.region_bytes`) and plain bytes/token x tokens.
 
     The plain formula ignores the full-precision sinks and residual, so it matches the live cache only
     when those are empty (sinks 0, tokens a multiple of the group size); the region formula always does.
@@ -359,10 +318,10 @@ def compare_measured(lm: LoadedModel, ids: Sequence[int], specs: Sequence[Precis
     updates = prefill_updates(len(ids))
     out["dtype"] = str(lm.dtype).replace("torch.", "")
     for row, spec in zip(out["results"], specs, strict=True):
-        layout = cache_layout(spec, updates)
-        exact = layout_bytes(cfg.layers, cfg.kv_heads, cfg.head_dim, spec, layout, full_bits)
+        regions = layout.Layout(spec).regions(updates)
+        exact = layout.region_bytes(regions, cfg.layers, cfg.kv_heads, cfg.head_dim, spec, full_bits)
         plain = bytes_per_token(cfg, spec, full_bits=full_bits) * len(ids)
-        row["layout"] = layout
+        row["layout"] = regions.to_dict()
         row["formula_bytes"] = exact["total"]
         row["formula_plain_bytes"] = round(plain)
         row["error_vs_formula"] = round(row["bytes"] / exact["total"] - 1, 6)

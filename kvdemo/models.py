@@ -21,6 +21,9 @@ from urllib.parse import urlsplit
 
 import torch
 
+from .layout import bytes_per_token
+from .precision import PrecisionSpec
+
 DEFAULT_MODEL = "embedded"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct (embedded, GGUF Q4_1)"
@@ -65,9 +68,9 @@ class LoadedModel:
     def max_context(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
-    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
-        """2 (K and V) x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * bytes_per_element
+    def kv_bytes_per_token(self, spec: PrecisionSpec | str = "full", full_bits: int = 16) -> float:
+        """K + V bytes of one token at `spec` (`layout.bytes_per_token`; default: a 16-bit cache)."""
+        return bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, spec, full_bits)
 
     def unique_parameters(self) -> list[torch.nn.Parameter]:
         """The model's parameters, tied ones (shared storage, e.g. tied embeddings) counted once."""
@@ -93,7 +96,7 @@ class LoadedModel:
             "device": str(self.device),
             "dtype": str(self.dtype).replace("torch.", ""),
             "weight_bytes": self.weight_bytes(),
-            "kv_bytes_per_token_fp16": int(self.kv_bytes_per_token(2)),
+            "kv_bytes_per_token_fp16": int(self.kv_bytes_per_token()),
         }
 
 
@@ -111,12 +114,77 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def checkpoint_dtype(config) -> torch.dtype | None:
+    """The weight dtype a checkpoint declares (config `dtype`, formerly `torch_dtype`), None if it says none."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = DTYPES.get(declared.removeprefix("torch."))
+    return declared if isinstance(declared, torch.dtype) else None
+
+
+def pick_dtype(dtype: str, device: torch.device, config=None) -> torch.dtype:
+    """The weight dtype. auto: float32 on CPU; on CUDA the checkpoint's own 16-bit dtype (a bf16-native
+    model stays bf16, an fp16 one fp16), float16 for fp32 or undeclared checkpoints (half the memory, as
+    before) and for bf16 checkpoints on GPUs without bf16 (before sm_80; the weights are then clamped to
+    the fp16 range, see `clamp_to_fp16`)."""
     if dtype in (None, "", "auto"):
-        return torch.float16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        declared = checkpoint_dtype(config) if config is not None else None
+        if declared == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0):
+            return torch.bfloat16
+        return torch.float16
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def clamp_to_fp16(t: torch.Tensor) -> torch.Tensor:
+    """In place: +-inf and values beyond +-65504 (a bf16 or fp32 value cast to fp16) become +-65504."""
+    fp16_max = torch.finfo(torch.float16).max
+    return t.nan_to_num_(nan=0.0, posinf=fp16_max, neginf=-fp16_max).clamp_(-fp16_max, fp16_max)
+
+
+# layer kinds kvdemo's cache and attention compute exactly (config.layer_types)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_supported(model_or_config) -> None:
+    """Raise `ModelLoadError` (one line) for a model whose attention kvdemo cannot compute exactly.
+
+    Takes a config or a model (a model is also checked module by module). Refused: a value head_dim
+    different from the key head_dim (MLA: DeepSeek-V2/V3, MiniCPM3), and layers that are not softmax
+    attention over a growing KV cache (linear attention, state-space layers). Supported extras (logit
+    softcap, sliding windows, gpt-oss sinks) are handled in kvdemo/attention.py.
+    """
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+    config = model.config if model is not None else model_or_config
+    config = getattr(config, "get_text_config", lambda: config)()
+    kind = getattr(config, "model_type", type(config).__name__)
+    v_dim = getattr(config, "v_head_dim", None)
+    if v_dim is not None:
+        k_dim = getattr(config, "qk_head_dim", None) or (
+            (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
+        )
+        k_dim = k_dim or getattr(config, "head_dim", None)
+        if k_dim and k_dim != v_dim:
+            raise ModelLoadError(
+                f"{kind} is not supported: its value head_dim ({v_dim}) differs from its key head_dim ({k_dim}), "
+                "and kvdemo's cache and attention need them equal"
+            )
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+    if other:
+        raise ModelLoadError(
+            f"{kind} is not supported: layer types {', '.join(other)} are not softmax attention over a KV cache"
+        )
+    for name, module in model.named_modules() if model is not None else ():
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        heads = getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
+        if isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear) and k.out_features != v.out_features:
+            raise ModelLoadError(
+                f"{kind} is not supported: in {name}, values have {v.out_features} features and keys "
+                f"{k.out_features} ({heads} kv heads); kvdemo needs equal key and value head dims"
+            )
 
 
 def embedded_gguf() -> Path:
@@ -132,7 +200,11 @@ def embedded_gguf() -> Path:
 def load_model(source: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """source: "embedded" (default), a Hugging Face id, a local folder, or a path to a .gguf file."""
     dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
+    pick_dtype(dtype, dev)  # an unknown dtype fails before anything loads
+
+    def dt(config):  # the checkpoint's config decides "auto" on CUDA
+        return pick_dtype(dtype, dev, config)
+
     source = (source or DEFAULT_MODEL).strip()
     if source in (DEFAULT_MODEL, "default", "smollm2"):
         folder = _converted_default()
@@ -156,13 +228,19 @@ def load_model(source: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "
         else:
             model, tok = _from_hub(source, dt)
         name = source
+    check_supported(model)
     model.to(dev).eval()
+    weight_dtype = model.dtype
+    if weight_dtype == torch.float16:  # a bf16/fp32 checkpoint cast to fp16: no inf weights
+        with torch.no_grad():
+            for p in model.parameters():
+                clamp_to_fp16(p.data)
     from .attention import use_kvdemo_attention
 
     use_kvdemo_attention(model)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return LoadedModel(model, tok, name, source, dev, dt)
+    return LoadedModel(model, tok, name, source, dev, weight_dtype)
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
@@ -206,8 +284,12 @@ def _from_hub(model_id: str, dtype: torch.dtype):
     return _from_pretrained(model_id, dtype)
 
 
-def _from_pretrained(where: str, dtype: torch.dtype, gguf_file: str | None = None, local_only: bool = False):
-    """local_only: a folder on disk or a hub id read from the local cache only (no download)."""
+def _from_pretrained(where: str, dtype, gguf_file: str | None = None, local_only: bool = False):
+    """local_only: a folder on disk or a hub id read from the local cache only (no download).
+
+    dtype: a torch.dtype, or a function of the config that picks one (`pick_dtype` for "auto").
+    Unsupported architectures are refused from the config, before the weights load (`check_supported`).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"trust_remote_code": False, "local_files_only": local_only}
@@ -221,6 +303,9 @@ def _from_pretrained(where: str, dtype: torch.dtype, gguf_file: str | None = Non
         raise ModelLoadError(f"cannot load {where}: {_first_line(err)}") from None
     if not _is_causal_lm(config):
         raise NotCausalLMError(f"{where} is not a causal language model ({type(config).__name__})")
+    check_supported(config)
+    if callable(dtype):
+        dtype = dtype(config)
     try:
         tok = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, use_safetensors=not gguf_file, **kwargs)

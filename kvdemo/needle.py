@@ -483,19 +483,10 @@ class _AnswerStop:
 
 
 def flush_points(cache: QuantizedKVCache, n: int) -> list[int]:
-    """Indices i < n of the tokens whose one-by-one append would quantize a block (KIVI flush), given the
-    cache's present state: the same rule as `QuantizedLayer.update` (every layer holds the same length)."""
+    """Indices i < n of the tokens whose one-by-one append would quantize a block, given the cache's
+    present state (kvdemo.layout's rule; every layer holds the same regions)."""
     layer = cache.layers[0]
-    spec = layer.spec
-    if not spec.is_quantized:
-        return []
-    t, q, out = layer.length, layer.quant_len, []
-    for i in range(n):
-        t += 1
-        if t - q >= spec.residual and (t // spec.group_size) * spec.group_size > q:
-            q = (t // spec.group_size) * spec.group_size
-            out.append(i)
-    return out
+    return layer.layout.flushes(layer.regions, n)
 
 
 def forward_as_decoding(lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache) -> torch.Tensor:

@@ -171,6 +171,28 @@ def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
     return replace(spec, **options)
 
 
+def spec_from_options(
+    preset: str,
+    group_size: int = DEFAULT_GROUP,
+    key_axis: str = "channel",
+    residual: int = DEFAULT_RESIDUAL,
+    sinks: int = DEFAULT_SINKS,
+) -> PrecisionSpec:
+    """The sidebar's settings -> the spec their precision string gives on the CLI: options at their
+    default are left out of the string, so the same rules apply (group 256 alone raises the residual
+    to 256, as `int4:g256` does)."""
+    opts = [preset]
+    if group_size != DEFAULT_GROUP:
+        opts.append(f"g{group_size}")
+    if residual != DEFAULT_RESIDUAL:
+        opts.append(f"r{residual}")
+    if sinks != DEFAULT_SINKS:
+        opts.append(f"s{sinks}")
+    if key_axis != "channel":
+        opts.append("ktoken")
+    return parse_precision(":".join(opts))
+
+
 def parse_precision_list(text: str) -> list[PrecisionSpec]:
     """`full,int8,k8v4` -> [PrecisionSpec, ...] (duplicates removed, order kept)."""
     specs, seen = [], set()

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from kvdemo.attention import attend
-from kvdemo.cache import QuantizedKVCache
+from kvdemo.cache import QuantizedKVCache, QuantizedLayer
+from kvdemo.layout import Layout
 from kvdemo.precision import parse_precision
+from kvdemo.quant import reference
 
 B, H, HQ, D = 1, 3, 9, 64
 
@@ -32,10 +34,9 @@ def test_regions_and_bytes_match_the_formula(spec, tokens):
     cache, _, _ = _fill(s, tokens)
     layer = cache.layers[0]
     g = s.group_size
-    quantized = (tokens // g) * g if tokens - 0 >= s.residual else 0
-    assert layer.quant_len == quantized
-    sinks = min(s.sinks, tokens)
-    residual = tokens - max(quantized, sinks)
+    regions = Layout(s).regions(tokens)  # the rule (tests/test_layout.py checks it by hand)
+    assert layer.regions == regions
+    quantized, sinks, residual = regions.quantized, regions.sinks, regions.residual
     fp_bytes = 4  # float32 test tensors
     kb, vb = s.key_bits, s.value_bits
     meta = lambda fmt: 2 if fmt.startswith("fp8") else 4  # noqa: E731 (bytes of metadata per group)
@@ -98,9 +99,9 @@ def test_sinks_and_residual_are_exact_and_sinks_excluded_from_block_stats():
     cache2 = QuantizedKVCache("int2:s4", 1)
     cache2.update(k2, v, 0)
     p1, p2 = cache.layers[0].packed(), cache2.layers[0].packed()
-    assert torch.equal(p2.sink_keys, k2[:, :, :4])
-    assert torch.equal(p1.key_scale, p2.key_scale)  # sinks never entered the statistics
-    assert torch.equal(p2.residual_keys, k2[:, :, 256:])
+    assert torch.equal(p2.keys.sinks, k2[:, :, :4])
+    assert torch.equal(p1.keys.quantized.scale, p2.keys.quantized.scale)  # sinks never entered the statistics
+    assert torch.equal(p2.keys.residual, k2[:, :, 256:])
 
 
 @pytest.mark.parametrize(
@@ -150,3 +151,50 @@ def test_quantized_attention_error_grows_as_bits_shrink():
         errs.append(float((attend(q, view, D**-0.5) - exact).norm() / exact.norm()))
     assert errs[0] < errs[1] < errs[2], errs
     assert errs[0] < 0.02 and math.isfinite(errs[2])
+
+
+@pytest.mark.parametrize("spec", ["int8:g16:r16:s2", "int4:g32:r32", "k8v4:ktoken:g16:r16", "fp8:g16:r16", "full"])
+@pytest.mark.parametrize("n_queries", [1, 3])
+def test_masked_decode_equals_sdpa_over_the_dequantized_cache(spec, n_queries):
+    """The masked path (padding, sliding windows) against an independent oracle: SDPA over the dequantized
+    past + the exact new tokens, same mask. A left-padded batch of 2: row 1's first 13 positions are padding."""
+    b, t, pad = 2, 70, 13
+    g = torch.Generator().manual_seed(7)
+    layer = QuantizedLayer(parse_precision(spec))
+    layer.update(torch.randn(b, H, t, D, generator=g), torch.randn(b, H, t, D, generator=g))
+    q = torch.randn(b, HQ, n_queries, D, generator=g)
+    kn, vn = torch.randn(b, H, n_queries, D, generator=g), torch.randn(b, H, n_queries, D, generator=g)
+    view, _ = layer.update(kn, vn)
+    length = t + n_queries
+    causal = torch.ones(n_queries, length, dtype=torch.bool).tril(diagonal=t)
+    mask = causal.expand(b, 1, n_queries, length).clone()  # [B, 1, n, T + n]
+    mask[1, :, :, :pad] = False  # left padding
+    mask[0, :, :, 5:9] = False  # and a hole, as a sliding window or a dropped span would make
+    out = attend(q, view, D**-0.5, mask)
+    pk, pv = view.packed().dequantized()
+    keys, values = torch.cat([pk, kn], -2), torch.cat([pv, vn], -2)
+    want = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    assert layer.regions.has_codes == (spec != "full")
+
+
+def test_cpu_path_turns_one_block_of_codes_into_floats_at_a_time(monkeypatch):
+    """Decode over the packed past never builds a float copy of the whole past: the largest float buffer
+    made from codes is one CPU_BLOCK of positions, and the result equals the unblocked computation."""
+    cache, _, _ = _fill("int4:s4", 1100)
+    kv = cache.layers[0].packed()
+    q = torch.randn(B, HQ, 1, D, generator=torch.Generator().manual_seed(9))
+    whole_out, whole_lse = reference.past_attention(q, kv, D**-0.5)  # CPU_BLOCK 4096 > 1100: one block
+    sizes, real = [], reference.codes_to_float
+
+    def recording(codes, fmt):
+        out = real(codes, fmt)
+        sizes.append(out.shape[-2])  # positions turned into floats at once
+        return out
+
+    monkeypatch.setattr(reference, "codes_to_float", recording)
+    monkeypatch.setattr(reference, "CPU_BLOCK", 256)
+    out, lse = reference.past_attention(q, kv, D**-0.5)
+    assert max(sizes) <= 256 and sum(sizes) >= 2 * (1024 - 4)  # keys and values, every coded position
+    torch.testing.assert_close(out, whole_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-5, rtol=1e-5)

@@ -264,3 +264,15 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
 def test_reference_from_another_prompt_is_refused(lm, prompt, ref):
     with pytest.raises(ValueError, match="different prompt"):
         drift.run_drift(lm, prompt[1:], ["int8"], new_tokens=NEW_TOKENS, reference=ref)
+
+
+@pytest.mark.model
+def test_int4_s4_at_130_keys_is_not_called_unquantized(lm):
+    """The drift page's "nothing was quantized" note: a 129-token prompt + 1 query step is 130 keys. int4:s4
+    has read 124 of them from codes (block [4, 128)); int4 at 100 keys has read none."""
+    prompt = list(range(1000, 1129))  # 129 token ids
+    out = drift.run_drift(lm, prompt, ["int4:s4"], new_tokens=1)
+    assert out["results"][0]["coded_keys"] == 124
+    assert drift.unquantized(out) == []
+    short = drift.run_drift(lm, prompt[:99], ["int4"], new_tokens=1)
+    assert short["results"][0]["coded_keys"] == 0 and drift.unquantized(short) == ["int4"]

@@ -16,18 +16,17 @@ from hypothesis import strategies as st
 from kvdemo import memory
 from kvdemo.cache import QuantizedKVCache
 from kvdemo.cli import memory as memory_cli
+from kvdemo.layout import Layout, region_bytes
 from kvdemo.memory import (
     GB,
     MIB,
     ModelConfig,
     bytes_per_token,
-    cache_layout,
     fp16_cache_bytes,
     get_gpu,
     get_model_config,
     headroom,
     kv_heads_per_gpu,
-    layout_bytes,
     max_tokens,
     prefill_updates,
     sequence_bytes,
@@ -271,14 +270,13 @@ def test_layout_formula_matches_the_cache_accounting(spec, updates):
     for n in updates:
         for layer in cache.layers:
             layer.update(torch.randn(1, heads, n, dim), torch.randn(1, heads, n, dim))  # [B, H, n, D] fp32
-    layout = cache_layout(spec, updates)
-    want = layout_bytes(layers, heads, dim, spec, layout, full_bits=32)
+    regions = Layout(spec).regions(updates)
+    want = region_bytes(regions, layers, heads, dim, spec, full_bits=32)
     got = cache.nbytes()
     assert got["total"] == want["total"]
     assert got["codes"] + got["scales"] == want["quantized"]
     assert got["sinks"] == want["sinks"] and got["residual"] == want["residual"]
-    layer = cache.layers[0]
-    assert (layer.quant_len, layer.length) == (layout["quantized"], layout["tokens"])
+    assert cache.layers[0].regions == regions
 
 
 def test_prefill_updates_follow_the_runner_chunks():

@@ -283,13 +283,15 @@ def test_transplant_equals_a_direct_prefill(lm, spec):
     direct = runner.new_cache(lm, spec)
     runner.prefill(lm, ids, direct, chunk=len(ids))
     assert moved.nbytes() == direct.nbytes()
-    fields = ("sink_keys", "key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
     for a, b in zip(moved.layers, direct.layers, strict=True):
         pa, pb = a.packed(), b.packed()
-        assert pa.quant_len == pb.quant_len > 0
-        for name in (*fields, "residual_keys", "residual_values"):
-            x, y = getattr(pa, name), getattr(pb, name)
-            assert (x is None and y is None) or torch.equal(x, y), name
+        assert pa.regions == pb.regions and pa.regions.has_codes
+        for part in ("keys", "values"):
+            x, y = getattr(pa, part), getattr(pb, part)
+            for t1, t2 in [(x.sinks, y.sinks), (x.residual, y.residual)] + [
+                (getattr(x.quantized, f), getattr(y.quantized, f)) for f in ("codes", "scale", "zero")
+            ]:
+                assert (t1 is None and t2 is None) or torch.equal(t1, t2), part
     with pytest.raises(ValueError, match="full-precision source"):
         needle.transplant(lm, direct, "int8")
 

@@ -257,7 +257,7 @@ def test_cache_with_nan_and_inf_states_stays_finite(spec):
     assert layer.quant_len > spec.sinks + 2  # the bad tokens were quantized
     view, _ = layer.update(keys[:, :, t:], values[:, :, t:])
     packed = view.packed()
-    for q in (packed.quantized_keys(), packed.quantized_values()):
+    for q in (packed.keys.quantized, packed.values.quantized):
         assert_finite_metadata(q)
     query = make_tensor((b, 4, 1, d), "normal", 1.0, 5)
     assert torch.isfinite(attend(query, view, d**-0.5)).all()

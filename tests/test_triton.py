@@ -71,13 +71,13 @@ def tk():
 
 
 def _to(obj, device):
-    """A tensor, or a dataclass's tensor fields (QuantizedTensor, PackedKV), on `device`."""
+    """A tensor, or a dataclass's tensor fields, nested ones too (QuantizedTensor, PackedKV), on `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     moved = {
-        f.name: getattr(obj, f.name).to(device)
+        f.name: _to(getattr(obj, f.name), device)
         for f in dataclasses.fields(obj)
-        if isinstance(getattr(obj, f.name), torch.Tensor)
+        if isinstance(getattr(obj, f.name), torch.Tensor) or dataclasses.is_dataclass(getattr(obj, f.name))
     }
     return dataclasses.replace(obj, **moved)
 
@@ -446,8 +446,10 @@ def test_cache_and_attention_through_the_triton_backend(tk, monkeypatch):
         runs[backend] = (layer, outs)
     (a, outs_a), (b, outs_b) = runs["torch"], runs["triton"]
     assert a.quant_len == b.quant_len == 32
-    for name in ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero"):
-        assert torch.equal(getattr(a, name).view(), getattr(b, name).view()), name
+    for part in ("keys", "values"):
+        for name in ("codes", "scale", "zero"):
+            x, y = getattr(getattr(a, part), name), getattr(getattr(b, part), name)
+            assert torch.equal(x.view(), y.view()), f"{part}.{name}"
     assert isinstance(view, CacheView) and len(outs_a) == 2
     for x, y in zip(outs_a, outs_b, strict=True):
         assert_attention_close(x, y)

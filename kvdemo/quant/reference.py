@@ -18,7 +18,7 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -198,37 +198,50 @@ def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     return out
 
 
-def _channel_key_scores(qg: torch.Tensor, kv) -> torch.Tensor:
-    """Scores of qg [B, H, M, D] against per-channel-quantized keys, from the codes.
+CPU_BLOCK = 4096  # stored positions turned into floats at a time: a multiple of every group size
+
+
+def _rows(q: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
+    """Rows [start, stop) of a stored QuantizedTensor (channel axis: whole groups, start % group == 0)."""
+    if q.axis == "channel":
+        meta = slice(start // q.group, -(-stop // q.group))
+    else:
+        meta = slice(start, stop)
+    zero = None if q.zero is None else q.zero[:, :, meta]
+    return replace(q, codes=q.codes[:, :, start:stop], scale=q.scale[:, :, meta], zero=zero)
+
+
+def _channel_key_scores(qg: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
+    """Scores of qg [B, H, M, D] against per-channel-quantized keys (whole groups), from the codes.
 
     k[t, c] = scale[b(t), c] * code[t, c] + zero[b(t), c]  =>
     q . k_t = q . (scale_b * code_t) + q . zero_b   (codes scaled in their float buffer, one matmul)
     """
     b, h, m, d = qg.shape
-    scale = kv.key_scale.float()  # [B, H, NB, D]
-    nb, g = scale.shape[-2], kv.key_group
-    codes = codes_to_float(kv.key_codes, kv.key_format).view(b, h, nb, g, d)  # [B, H, NB, G, D]
+    scale = keys.scale.float()  # [B, H, NB, D]
+    nb, g = scale.shape[-2], keys.group
+    codes = codes_to_float(keys.codes, keys.fmt).view(b, h, nb, g, d)  # [B, H, NB, G, D]
     codes.mul_(scale.unsqueeze(3))
     scores = (qg @ codes.view(b, h, nb * g, d).transpose(-1, -2)).view(b, h, m, nb, g)  # [B, H, M, NB, G]
-    if kv.key_zero is not None:
-        scores = scores + (qg @ kv.key_zero.float().transpose(-1, -2)).unsqueeze(-1)  # + [B, H, M, NB, 1]
+    if keys.zero is not None:
+        scores = scores + (qg @ keys.zero.float().transpose(-1, -2)).unsqueeze(-1)  # + [B, H, M, NB, 1]
     return scores.view(b, h, m, nb * g)
 
 
-def _token_value_output(p: torch.Tensor, codes: torch.Tensor, scale, zero, fmt: str, group: int) -> torch.Tensor:
+def _token_value_output(p: torch.Tensor, values: QuantizedTensor) -> torch.Tensor:
     """sum_t p[m, t] v_t for per-token-quantized values, from the codes.
 
-    p [B, H, M, T]; codes [B, H, T, D/P]; scale/zero [B, H, T, D/G]; v_tc = s_tj code_tc + z_tj (j = c // G).
+    p [B, H, M, T]; values: codes [B, H, T, D/P], scale/zero [B, H, T, D/G]; v_tc = s_tj code_tc + z_tj (j = c // G).
     One group per token (G = D): out = (p * s) @ code + (p @ z); else the scales go into the codes.
     """
     b, h, m, t = p.shape
-    values = codes_to_float(codes, fmt)  # [B, H, T, D]
-    d = values.shape[-1]
+    codes = codes_to_float(values.codes, values.fmt)  # [B, H, T, D]
+    d, group, scale, zero = codes.shape[-1], values.group, values.scale, values.zero
     if group == d:
-        out = (p * scale.float()[..., 0].unsqueeze(2)) @ values  # [B, H, M, D]
+        out = (p * scale.float()[..., 0].unsqueeze(2)) @ codes  # [B, H, M, D]
     else:
-        values.view(b, h, t, d // group, group).mul_(scale.float().unsqueeze(-1))
-        out = p @ values
+        codes.view(b, h, t, d // group, group).mul_(scale.float().unsqueeze(-1))
+        out = p @ codes
     if zero is not None and group == d:  # sum_t p_t z_t: a reduction (a [M, T] @ [T, 1] matmul is ~7x slower on CPU)
         out = out + (p * zero.float()[..., 0].unsqueeze(2)).sum(-1, keepdim=True)
     elif zero is not None:
@@ -236,63 +249,79 @@ def _token_value_output(p: torch.Tensor, codes: torch.Tensor, scale, zero, fmt: 
     return out
 
 
-def _past_logits(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _coded_key_logits(qg: torch.Tensor, keys: QuantizedTensor, start: int, stop: int, out: torch.Tensor) -> None:
+    """Write qg's scores against coded positions [start, stop) into out [B, H, M, stop - start], CPU_BLOCK
+    positions at a time (channel-axis blocks aligned to whole groups)."""
+    for a in range((start // CPU_BLOCK) * CPU_BLOCK, stop, CPU_BLOCK):
+        e = min(a + CPU_BLOCK, keys.codes.shape[-2])
+        lo, hi = max(a, start), min(e, stop)
+        if keys.axis == "channel":
+            scores = _channel_key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
+        else:
+            scores = qg @ dequantize(_rows(keys, lo, hi)).transpose(-1, -2)
+        out[..., lo - start : hi - start] = scores
+
+
+def _past_logits(
+    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, softcap: float | None = None
+) -> torch.Tensor:
     """Scaled scores of query [B, Hq, n, D] over the packed past -> fp32 [B, Hkv, M, length] (M = Hq/Hkv * n).
 
     Rows are (head in group, query), so `.reshape(B, Hq, n, length)` is the per-query-head layout.
-    Masked positions are -inf.
+    Masked positions are -inf. softcap (Gemma-2): scores -> tanh(s / softcap) * softcap, before the mask.
     """
     b, hq, n, d = query.shape
-    hkv = kv.sink_keys.shape[1]
+    r, hkv = kv.regions, kv.kv_heads
     grp = hq // hkv
     qg = query.float().reshape(b, hkv, grp * n, d)  # [B, Hkv, M, D], rows = (head in group, query)
-    s, q = kv.num_sinks, kv.quant_len
-    scores = [qg @ kv.sink_keys.float().transpose(-1, -2)]
-    if q > s:
-        if kv.key_axis == "channel":
-            scores.append(_channel_key_scores(qg, kv)[..., s:q])
-        else:
-            keys = dequantize(kv.quantized_keys())[:, :, s:q]
-            scores.append(qg @ keys.transpose(-1, -2))
-    scores.append(qg @ kv.residual_keys.float().transpose(-1, -2))
-    logits = torch.cat(scores, dim=-1) * scaling  # [B, Hkv, M, length]
+    logits = torch.empty(b, hkv, grp * n, r.tokens, dtype=torch.float32, device=query.device)
+    logits[..., : r.sinks] = qg @ kv.keys.sinks.float().transpose(-1, -2)
+    if r.has_codes:
+        _coded_key_logits(qg, kv.keys.quantized, r.sinks, r.quantized, logits[..., r.sinks : r.quantized])
+    logits[..., r.residual_start :] = qg @ kv.keys.residual.float().transpose(-1, -2)
+    logits *= scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if mask is not None:
-        m = mask.expand(b, hq, n, kv.length).reshape(b, hkv, grp * n, kv.length)
+        m = mask.expand(b, hq, n, r.tokens).reshape(b, hkv, grp * n, r.tokens)
         logits = logits.masked_fill(~m, float("-inf"))
     return logits
 
 
-def past_attention(query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None):
+def past_attention(
+    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, softcap: float | None = None
+):
     """Attention of every query over the stored past of one layer (no causal mask is needed: every
     stored position precedes every query). Grouped-query: one K/V read serves each group of heads.
 
     query: [B, Hq, n, D]; kv: cache.PackedKV with kv.length > 0, Hkv heads dividing Hq;
-    mask: optional bool [B, 1 or Hq, n, length], True = attend.
+    mask: optional bool [B, 1 or Hq, n, length], True = attend; softcap: optional logit cap (Gemma-2).
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]) for a log-sum-exp merge with other parts.
+
+    Memory: besides the scores (M x length fp32, the attention weights themselves), codes are turned into
+    floats CPU_BLOCK positions at a time, so the extra memory is bounded by the block, not the past.
     """
     b, hq, n, d = query.shape
-    s, q = kv.num_sinks, kv.quant_len
-    logits = _past_logits(query, kv, scaling, mask)  # [B, Hkv, M, length]
+    r = kv.regions
+    logits = _past_logits(query, kv, scaling, mask, softcap)  # [B, Hkv, M, length]
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, Hkv, M, 1]
     probs = torch.exp(logits - lse).nan_to_num_(0.0)
-    r = kv.residual_keys.shape[-2]
-    out = probs[..., :s] @ kv.sink_values.float()
-    if q > s:
-        out = out + _token_value_output(
-            probs[..., s:q],
-            kv.value_codes[:, :, s:q],
-            kv.value_scale[:, :, s:q],
-            None if kv.value_zero is None else kv.value_zero[:, :, s:q],
-            kv.value_format,
-            kv.value_group,
-        )
-    if r:
-        out = out + probs[..., kv.length - r :] @ kv.residual_values.float()
+    out = probs[..., : r.sinks] @ kv.values.sinks.float()
+    for lo in range(r.sinks, r.quantized if r.has_codes else r.sinks, CPU_BLOCK):
+        hi = min(lo + CPU_BLOCK, r.quantized)
+        out = out + _token_value_output(probs[..., lo:hi], _rows(kv.values.quantized, lo, hi))
+    if r.residual:
+        out = out + probs[..., r.residual_start :] @ kv.values.residual.float()
     return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
 
 
 def past_probabilities(
-    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, lse: torch.Tensor | None = None
+    query: torch.Tensor,
+    kv,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention probabilities of every query over the packed past (the weights `past_attention` uses).
 
@@ -302,6 +331,6 @@ def past_probabilities(
     Returns fp32 [B, Hq, n, length] (masked positions are 0).
     """
     b, hq, n, _ = query.shape
-    logits = _past_logits(query, kv, scaling, mask).reshape(b, hq, n, kv.length)  # [B, Hq, n, length]
+    logits = _past_logits(query, kv, scaling, mask, softcap).reshape(b, hq, n, kv.length)  # [B, Hq, n, length]
     norm = torch.logsumexp(logits, dim=-1) if lse is None else lse.float()  # [B, Hq, n]
     return torch.exp(logits - norm.unsqueeze(-1)).nan_to_num_(0.0)

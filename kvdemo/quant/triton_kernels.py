@@ -135,11 +135,13 @@ def supports_attention(query: torch.Tensor, kv) -> bool:
     """Shapes the decode kernel handles: head_dim a power of two in [16, 256], query rows per kv head (GQA
     group x queries) up to MAX_BLOCK_M, per-token keys at TOKEN_KEY_HEAD_DIMS."""
     b, hq, n, d = query.shape
-    hkv = kv.sink_keys.shape[1]
-    fmts_ok = kv.quant_len == 0 or (supports_quantize(kv.key_format, d) and supports_quantize(kv.value_format, d))
+    hkv, spec = kv.kv_heads, kv.spec
+    fmts_ok = not kv.regions.has_codes or (
+        supports_quantize(spec.key_format, d) and supports_quantize(spec.value_format, d)
+    )
     if not (fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0):
         return False
-    if kv.quant_len > kv.num_sinks and kv.key_axis == "token" and d not in TOKEN_KEY_HEAD_DIMS:
+    if kv.regions.has_codes and spec.key_axis == "token" and d not in TOKEN_KEY_HEAD_DIMS:
         return False
     return _block_m((hq // hkv) * n) <= MAX_BLOCK_M[d]
 
@@ -821,13 +823,14 @@ def past_attention(
     if kv.length <= 0:
         raise ValueError("past_attention needs a non-empty past (kv.length > 0)")
     _, hq, n, d = query.shape
-    block_m = _block_m((hq // kv.sink_keys.shape[1]) * n)
+    block_m = _block_m((hq // kv.kv_heads) * n)
     cc = capability(query.device)
     default_n, default_warps = launch_config(d, block_m, cc)
     explicit_block_n = block_n is not None
     # a GPU with less shared memory per block than sm_90 (a T4 has 64 KiB) cannot run the default tile:
     # halve it until it launches, once per shape, and remember what fits (a block_n given is not changed)
-    fits_key = (query.device, d, block_m, kv.key_format, kv.value_format, kv.key_axis, query.dtype, num_stages)
+    spec = kv.spec
+    fits_key = (query.device, d, block_m, spec.key_format, spec.value_format, spec.key_axis, query.dtype, num_stages)
     block_n = block_n or _FITTING_BLOCK_N.get(fits_key, default_n)
     while True:
         try:
@@ -851,13 +854,14 @@ _FITTING_BLOCK_N: dict[tuple, int] = {}  # default tiles halved to fit a GPU's s
 def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, num_stages, keep_fold):
     """The two launches of `past_attention` for one tile size: the split kernel, then the merge."""
     b, hq, n, d = query.shape
-    hkv = kv.sink_keys.shape[1]
+    hkv, r = kv.kv_heads, kv.regions
     m = (hq // hkv) * n
-    s_len, q_len, r_len = kv.num_sinks, kv.quant_len, kv.residual_keys.shape[-2]
-    quant = q_len > s_len
+    s_len, q_len, r_len = r.sinks, r.quantized, r.residual
+    quant = r.has_codes
+    keys, values = kv.keys.quantized, kv.values.quantized  # QuantizedTensor, or None without codes
     block_n = min(block_n, MAX_BLOCK_N)
-    if quant and kv.key_axis == "channel":
-        block_n = min(block_n, kv.key_group)
+    if quant and keys.axis == "channel":
+        block_n = min(block_n, keys.group)
     if not (_pow2(block_n) and block_n >= 16):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     n_tiles = triton.cdiv(q_len, block_n) if quant else 0  # quantized tiles (positions [0, Q), aligned)
@@ -873,21 +877,21 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     lse = torch.empty((b, hq, n), dtype=torch.float32, device=query.device)
     dummy = query
     q_arg = query if query.stride(-1) == 1 else query.contiguous()
-    k_fmt = kv.key_format if quant else "int8"
-    v_fmt = kv.value_format if quant else "int8"
+    k_fmt = keys.fmt if quant else "int8"
+    v_fmt = values.fmt if quant else "int8"
     _decode_split_kernel[(parts, b * hkv)](
         q_arg,
         *q_arg.stride()[:3],
-        *_arg(kv.sink_keys, dummy),
-        *_arg(kv.sink_values, dummy),
-        *_arg(kv.residual_keys, dummy),
-        *_arg(kv.residual_values, dummy),
-        *_arg(kv.key_codes if quant else None, dummy),
-        *_arg(kv.key_scale if quant else None, dummy),
-        *_arg(kv.key_zero if quant else None, dummy),
-        *_arg(kv.value_codes if quant else None, dummy),
-        *_arg(kv.value_scale if quant else None, dummy),
-        *_arg(kv.value_zero if quant else None, dummy),
+        *_arg(kv.keys.sinks, dummy),
+        *_arg(kv.values.sinks, dummy),
+        *_arg(kv.keys.residual, dummy),
+        *_arg(kv.values.residual, dummy),
+        *_arg(keys.codes if quant else None, dummy),
+        *_arg(keys.scale if quant else None, dummy),
+        *_arg(keys.zero if quant else None, dummy),
+        *_arg(values.codes if quant else None, dummy),
+        *_arg(values.scale if quant else None, dummy),
+        *_arg(values.zero if quant else None, dummy),
         o_part,
         lse_part,
         hkv,
@@ -905,11 +909,11 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         BLOCK_N=block_n,
         K_BITS=_bits(k_fmt),
         K_FP8=FP8_CODE.get(k_fmt, 0),
-        K_CHANNEL=kv.key_axis == "channel",
-        K_GROUP=kv.key_group if quant else block_n,
+        K_CHANNEL=kv.spec.key_axis == "channel",
+        K_GROUP=keys.group if quant else block_n,
         V_BITS=_bits(v_fmt),
         V_FP8=FP8_CODE.get(v_fmt, 0),
-        V_GROUP=kv.value_group if quant else d,
+        V_GROUP=values.group if quant else d,
         PTX=ptx_unpacking(),
         FOLD_ONCE=keep_fold,
         num_warps=num_warps,
@@ -922,10 +926,9 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
 def kv_bytes_read(kv) -> int:
     """Bytes of K/V the decode kernel reads for one call (codes, metadata, sinks, residual): for benchmarks."""
     total = 0
-    for t in (kv.sink_keys, kv.sink_values, kv.residual_keys, kv.residual_values):
-        total += t.numel() * t.element_size()
-    if kv.quant_len > kv.num_sinks:
-        for t in (kv.key_codes, kv.key_scale, kv.key_zero, kv.value_codes, kv.value_scale, kv.value_zero):
-            if t is not None:
-                total += t.numel() * t.element_size()
+    for part in (kv.keys, kv.values):
+        tensors = [part.sinks, part.residual]
+        if kv.regions.has_codes:
+            tensors += [part.quantized.codes, part.quantized.scale, part.quantized.zero]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
