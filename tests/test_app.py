@@ -99,6 +99,20 @@ def test_precision_change_updates_live_number_and_bad_settings_are_rejected():
     assert {m.label: m.value for m in at.metric}["KV bytes/token at int2"] == "3,420 B"
 
 
+def test_sidebar_builds_its_spec_by_the_cli_rule():
+    """Group 256 with the residual left at its default is `int4:g256` on the CLI (residual raised to 256):
+    the sidebar gives the same spec instead of rejecting it; an explicit bad residual is still rejected."""
+    from kvdemo.precision import parse_precision
+
+    at = start()
+    at.sidebar.selectbox(key="kv_group").set_value(256).run()
+    assert not at.exception and not at.sidebar.error, [e.value for e in at.sidebar.error]
+    assert at.session_state["spec"] == parse_precision("int4:g256")
+    assert at.session_state["spec"].residual == 256
+    at.sidebar.number_input(key="kv_residual").set_value(384).run()
+    assert "multiple of the group size" in at.sidebar.error[0].value
+
+
 def test_model_load_failure_keeps_previous_model(tmp_path):
     at = start()
     at.sidebar.radio(key="model_kind").set_value("folder").run()
