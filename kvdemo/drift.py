@@ -36,7 +36,7 @@ from .cache import CacheView, QuantizedKVCache
 from .models import LoadedModel
 from .precision import DEFAULT_RESIDUAL, PrecisionSpec, parse_precision
 from .quant import reference
-from .runner import chat_ids, new_cache, prefill, stop_token_ids
+from .runner import PREFILL_MODES, chat_ids, new_cache, prefill, stop_token_ids
 
 TOP_K = 10
 PROFILE_BINS = 32
@@ -195,18 +195,20 @@ def captured_steps(
     spec: PrecisionSpec | str,
     steps: int,
     feed: Sequence[int] | None = None,
+    prefill_mode: str = "chunked",
 ) -> Iterator[StepCapture]:
     """Prefill `prompt_ids[:-1]` at `spec`, then run the prompt's last token and up to `steps - 1` more
     tokens one at a time, yielding each query's `StepCapture`.
 
     feed: the tokens to run after the prompt (teacher forcing); None = this run's own greedy tokens.
+    prefill_mode: how the prompt is stored (runner.PREFILL_MODES).
     Stops early at a stop token (it is predicted, never fed) or when `feed` runs out.
     """
     ids = list(prompt_ids)
     if len(ids) < 2:
         raise ValueError("drift needs a prompt of at least 2 tokens")
     cache = new_cache(lm, spec)
-    prefill(lm, ids[:-1], cache)
+    prefill(lm, ids[:-1], cache, mode=prefill_mode)
     stops = stop_token_ids(lm)
     token, position = ids[-1], len(ids) - 1
     with AttentionCapture(cache) as rec:
@@ -353,7 +355,12 @@ class DriftResult:
 
 
 def measure_drift(
-    lm: LoadedModel, prompt_ids: Sequence[int], spec: PrecisionSpec | str, ref: Reference, top_k: int = TOP_K
+    lm: LoadedModel,
+    prompt_ids: Sequence[int],
+    spec: PrecisionSpec | str,
+    ref: Reference,
+    top_k: int = TOP_K,
+    prefill_mode: str = "chunked",
 ) -> DriftResult:
     """Run `spec` on the reference's prompt and teacher-forced tokens; compare every step to `ref`."""
     spec = parse_precision(spec)
@@ -365,7 +372,7 @@ def measure_drift(
     sums = {name: None for name in ("js", "kl", "topk", "cos")}
     per_query, logit_kls, agree, first_edges = [], [], 0, None
     feed = ref.tokens[:-1]
-    for i, got in enumerate(captured_steps(lm, prompt_ids, spec, len(ref.steps), feed)):
+    for i, got in enumerate(captured_steps(lm, prompt_ids, spec, len(ref.steps), feed, prefill_mode)):
         want = ref.steps[i]
         p, q = want.probs.double(), got.probs.double()  # [layers, Hq, keys]
         terms = js_terms(p, q)  # [layers, Hq, keys]
@@ -447,11 +454,15 @@ def run_drift(
     top_k: int = TOP_K,
     on_progress: Callable[[str], None] | None = None,
     reference: Reference | None = None,
+    prefill_mode: str = "chunked",
 ) -> dict:
     """Full precision once, then each spec against it on the same prompt and teacher-forced tokens.
 
     reference: a `capture_reference(lm, prompt_ids, new_tokens)` to reuse (e.g. when the page adds a precision).
+    prefill_mode: how each quantized cache stores the prompt (runner.PREFILL_MODES; the reference is exact).
     """
+    if prefill_mode not in PREFILL_MODES:
+        raise ValueError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(PREFILL_MODES)}")
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
     if len(prompt_ids) + new_tokens > lm.max_context:
@@ -470,12 +481,13 @@ def run_drift(
     for spec in specs:
         if on_progress:
             on_progress(spec.label)
-        results.append(measure_drift(lm, prompt_ids, spec, ref, top_k).to_dict())
+        results.append(measure_drift(lm, prompt_ids, spec, ref, top_k, prefill_mode).to_dict())
     return {
         "model": lm.name,
         "prompt_tokens": len(prompt_ids),
         "new_tokens": len(ref.steps),
         "top_k": top_k,
+        "prefill_mode": prefill_mode,
         "generated": lm.tokenizer.decode(ref.tokens, skip_special_tokens=True),
         "reference_seconds": round(ref.seconds, 3),
         "results": results,

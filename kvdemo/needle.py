@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from . import texts
+from . import runner, texts
 from .cache import QuantizedKVCache
 from .models import LoadedModel
 from .precision import PRESETS, PrecisionSpec, parse_precision, parse_precision_list
@@ -453,13 +453,7 @@ def transplant(lm: LoadedModel, source: QuantizedKVCache, spec: PrecisionSpec | 
     `source` must hold exact states (full precision) from a single prefill call; the result equals
     prefilling the same tokens into a fresh `spec` cache in one call.
     """
-    if source.spec.is_quantized:
-        raise NeedleError("transplant needs a full-precision source cache")
-    cache = new_cache(lm, spec)
-    for i, layer in enumerate(source.layers):
-        keys, values = layer.packed().dequantized()  # [B, H, T, D] each: exact for a full cache
-        cache.update(keys, values, i)
-    return cache
+    return runner.transplant(source, new_cache(lm, spec))
 
 
 class _AnswerStop:
@@ -542,12 +536,17 @@ def run_cell(
     specs: Sequence[PrecisionSpec],
     should_stop: Callable[[], bool] | None = None,
     on_row: Callable[[NeedleRow], None] | None = None,
+    prefill_mode: str = "exact",
 ) -> list[NeedleRow]:
     """Every precision on one prompt: one shared prefill, then per precision suffix + score + answer.
 
     Rows come back in the order of `specs`; `on_row` is called as each is done (quantized ones first, the
     full-precision row last, as it reuses the prefilled cache). Stops early (fewer rows) on `should_stop`.
+    prefill_mode (runner.PREFILL_MODES): "exact" stores the shared full-precision prefill quantized per
+    precision; "chunked" prefills the haystack into each quantized cache chunk by chunk instead.
     """
+    if prefill_mode not in runner.PREFILL_MODES:
+        raise NeedleError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(runner.PREFILL_MODES)}")
     ctx, suffix = prompt.ids[: prompt.context_len], prompt.ids[prompt.context_len :]
     t0 = time.perf_counter()
     full = new_cache(lm, PRESETS["full"])
@@ -560,7 +559,13 @@ def run_cell(
             break
         spec = specs[i]
         t1 = time.perf_counter()
-        cache = transplant(lm, full, spec) if spec.is_quantized else full
+        if not spec.is_quantized:
+            cache = full
+        elif prefill_mode == "exact":
+            cache = transplant(lm, full, spec)
+        else:
+            cache = new_cache(lm, spec)
+            prefill(lm, ctx, cache, mode="chunked")
         stop = _AnswerStop(task.kind != "custom", should_stop)
         logprob, tokens, reason = score_and_answer(lm, cache, suffix, prompt.answer_ids, task.max_new_tokens, stop)
         del cache
@@ -608,11 +613,13 @@ class NeedleResult:
     seconds: float
     stopped: str  # "done" | "cancelled"
     notes: list[str] = field(default_factory=list)
+    prefill_mode: str = "exact"
 
     def to_dict(self) -> dict:
         return {
             "model": self.model,
             "kind": self.kind,
+            "prefill_mode": self.prefill_mode,
             "haystack": self.haystack,
             "seed": self.seed,
             "lengths": self.lengths,
@@ -627,7 +634,8 @@ class NeedleResult:
 
 
 def summarize(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[dict]:
-    """Per precision: cells, correct, accuracy, mean answer log-prob, cells that agree with the baseline."""
+    """Per precision: cells, correct, accuracy, mean answer log-prob, cells that agree with the baseline, and
+    `full_missed`: its cells where the baseline itself missed (a miss there says nothing about quantization)."""
     rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
     base = {(r["length"], r["depth"]): r for r in rows if r["precision"] == baseline}
     out = []
@@ -643,6 +651,7 @@ def summarize(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[
                 "accuracy": round(sum(r["correct"] for r in mine) / len(mine), 4),
                 "mean_answer_logprob": round(sum(r["answer_logprob"] for r in mine) / len(mine), 4),
                 "agree_with_full": agree if paired else None,
+                "full_missed": sum(not base[(r["length"], r["depth"])]["correct"] for r in paired) if paired else None,
                 "mean_logprob_change": round(
                     sum(r["answer_logprob"] - base[(r["length"], r["depth"])]["answer_logprob"] for r in paired)
                     / len(paired),
@@ -687,8 +696,10 @@ def run_grid(
     max_new_tokens: int | None = None,
     on_progress: Callable[[int, int, NeedleRow], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    prefill_mode: str = "exact",
 ) -> NeedleResult:
     """Every (length, depth) cell at full precision and every precision in `precisions`, same tokens.
+    prefill_mode: how each quantized cache stores the haystack (see `run_cell`).
 
     `document`: the haystack text (a user document); default: the filler for passkey, the bundled prose
     otherwise. `on_progress(done, total, row)` after every row; `should_stop()` ends the run cleanly
@@ -743,7 +754,7 @@ def run_grid(
             if prompt.haystack_copies > 1 and name != "filler":
                 note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
                 notes += [note] if note not in notes else []
-            done = run_cell(lm, task, prompt, specs, should_stop, on_row)
+            done = run_cell(lm, task, prompt, specs, should_stop, on_row, prefill_mode)
             rows += done
             if len(done) < len(specs):
                 stopped = "cancelled"
@@ -762,6 +773,7 @@ def run_grid(
         time.perf_counter() - t0,
         stopped,
         notes,
+        prefill_mode,
     )
 
 

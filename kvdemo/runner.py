@@ -18,6 +18,14 @@ from .models import LoadedModel
 from .precision import PrecisionSpec, parse_precision
 
 PREFILL_CHUNK = 2048  # long prompts are prefilled in chunks: bounded activation memory on CPU
+# How a prompt is stored in a quantized cache:
+#   exact:   its states are computed at full precision (chunks attend over the exact earlier chunks) and
+#            then stored quantized, as one append: how KVQuant evaluates, and how the needle grid runs;
+#            costs a full-precision copy of the prompt's cache while it runs.
+#   chunked: chunk after chunk goes into the quantized cache, each attending over the earlier chunks as
+#            stored (quantized): how llama.cpp and chunked-prefill servers behave, errors compound inside
+#            the prompt; memory is the packed cache plus a workspace bounded by the chunk.
+PREFILL_MODES = ("exact", "chunked")
 
 
 class Cancelled(Exception):
@@ -77,9 +85,36 @@ def forward(
     return torch.cat(outs)
 
 
-def prefill(lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
-    """Append `ids`; return the float32 logits [vocab] for the token after them (only the last row)."""
+def prefill(
+    lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK, mode: str = "chunked"
+) -> torch.Tensor:
+    """Append `ids`; return the float32 logits [vocab] for the token after them (only the last row).
+
+    mode (PREFILL_MODES): "exact" computes an empty quantized cache's prompt at full precision and stores
+    it quantized (`transplant`); into a cache that already holds tokens, or a full-precision one, both
+    modes append chunk by chunk.
+    """
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"unknown prefill mode {mode!r}; allowed: {', '.join(PREFILL_MODES)}")
+    if mode == "exact" and cache.spec.is_quantized and cache.get_seq_length() == 0:
+        full = new_cache(lm, "full")
+        logits = forward(lm, ids, full, chunk, last_only=True)[-1]
+        transplant(full, cache)
+        return logits
     return forward(lm, ids, cache, chunk, last_only=True)[-1]
+
+
+def transplant(source: QuantizedKVCache, target: QuantizedKVCache) -> QuantizedKVCache:
+    """Store `source`'s keys/values (a full-precision cache) into the empty `target`, one append per layer:
+    bit for bit what prefilling the same tokens into `target` in one call would store."""
+    if source.spec.is_quantized:
+        raise ValueError("transplant needs a full-precision source cache")
+    if target.get_seq_length():
+        raise ValueError("transplant needs an empty target cache")
+    for i, layer in enumerate(source.layers):
+        keys, values = layer.packed().dequantized()  # [B, H, T, D] each: exact for a full cache
+        target.update(keys, values, i)
+    return target
 
 
 @dataclass

@@ -198,3 +198,25 @@ def test_cpu_path_turns_one_block_of_codes_into_floats_at_a_time(monkeypatch):
     assert max(sizes) <= 256 and sum(sizes) >= 2 * (1024 - 4)  # keys and values, every coded position
     torch.testing.assert_close(out, whole_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, whole_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["int4:s4", "int2:g16:r32", "k8v4:ktoken", "fp8:g64:r128:s2", "full"])
+@pytest.mark.parametrize("window", [None, 300])
+def test_streamed_past_attention_equals_the_one_pass(spec, window, monkeypatch):
+    """The prefill path reads the past piece by piece (online softmax, pieces of 256 here): same output and
+    log-sum-exp as one pass over the whole past, with a mask, a softcap and a sliding window."""
+    cache, _, _ = _fill(spec, 900)
+    kv = cache.layers[0].packed()
+    g = torch.Generator().manual_seed(11)
+    n = 40
+    q = torch.randn(B, HQ, n, D, generator=g)
+    holes = torch.rand(B, 1, n, 900, generator=g) > 0.1
+    mask = holes
+    if window is not None:  # query i sits at position 900 + i: it sees keys k > 900 + i - window
+        k_pos, q_pos = torch.arange(900), 900 + torch.arange(n)
+        mask = holes & (k_pos[None, :] > q_pos[:, None] - window)
+    want_out, want_lse = reference.past_attention(q, kv, D**-0.5, mask, softcap=5.0)
+    monkeypatch.setattr(reference, "SCORE_ELEMENTS", 1)  # the smallest pieces: 256 positions
+    out, lse = reference.past_attention_streamed(q, kv, D**-0.5, holes, 5.0, window)
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=1e-4)

@@ -315,6 +315,92 @@ def past_attention(
     return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
 
 
+SCORE_ELEMENTS = 1 << 24  # streamed attention: scores held at once (query rows x block, fp32: 64 MiB)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Combine two partial softmax attentions over disjoint key sets (log-sum-exp weights)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa = torch.exp(lse_a - lse).nan_to_num_(0.0).unsqueeze(-1)
+    wb = torch.exp(lse_b - lse).nan_to_num_(0.0).unsqueeze(-1)
+    return out_a * wa + out_b * wb, lse
+
+
+def _segments(r, block: int):
+    """Pieces (kind, start, stop) of the stored past [0, r.tokens): the sinks, the coded positions in
+    `block`-aligned pieces, the residual in pieces of at most `block`."""
+    if r.sinks:
+        yield "sinks", 0, r.sinks
+    if r.has_codes:
+        for a in range((r.sinks // block) * block, r.quantized, block):
+            yield "coded", max(a, r.sinks), min(a + block, r.quantized)
+    for a in range(r.residual_start, r.tokens, block):
+        yield "residual", a, min(a + block, r.tokens)
+
+
+def _segment_keys_values(kv, kind: str, lo: int, hi: int, qg: torch.Tensor):
+    """Scores of qg [B, H, M, D] against positions [lo, hi) (unscaled, fp32) and a function p -> p @ V."""
+    r = kv.regions
+    if kind != "coded":
+        offset = 0 if kind == "sinks" else r.residual_start
+        part_k = kv.keys.sinks if kind == "sinks" else kv.keys.residual
+        part_v = kv.values.sinks if kind == "sinks" else kv.values.residual
+        v = part_v[:, :, lo - offset : hi - offset].float()
+        return qg @ part_k[:, :, lo - offset : hi - offset].float().transpose(-1, -2), lambda p: p @ v
+    keys = kv.keys.quantized
+    if keys.axis == "channel":  # whole groups of tokens, sliced to [lo, hi)
+        a, e = (lo // keys.group) * keys.group, -(-hi // keys.group) * keys.group
+        scores = _channel_key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
+    else:
+        scores = qg @ dequantize(_rows(keys, lo, hi)).transpose(-1, -2)
+    values = _rows(kv.values.quantized, lo, hi)
+    return scores, lambda p: _token_value_output(p, values)
+
+
+def past_attention_streamed(
+    query: torch.Tensor,
+    kv,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+):
+    """`past_attention` for many queries (a prefill chunk over a long stored past), in bounded memory.
+
+    The past is read piece by piece (sinks, coded blocks, residual) with an online softmax: at any time
+    one piece's scores (query rows x piece, at most SCORE_ELEMENTS fp32) and one piece of codes turned
+    into floats are held, never scores over the whole past nor a float copy of it.
+    query: [B, Hq, n, D], the queries at positions kv.length + i (they follow the whole stored past);
+    mask: optional bool [B, 1 or Hq, n, length]; softcap as in `past_attention`; window: a sliding
+    window (query at p sees keys k > p - window). Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]).
+    """
+    b, hq, n, d = query.shape
+    r, hkv = kv.regions, kv.kv_heads
+    grp = hq // hkv
+    rows = grp * n
+    qg = query.float().reshape(b, hkv, rows, d)  # [B, Hkv, M, D], rows = (head in group, query)
+    block = max(256, (SCORE_ELEMENTS // rows) // 256 * 256)  # a multiple of every group size
+    q_pos = (kv.length + torch.arange(n, device=query.device)).repeat(grp)  # [M] the row's position
+    out = torch.zeros(b, hkv, rows, d, dtype=torch.float32, device=query.device)
+    lse = torch.full((b, hkv, rows), float("-inf"), dtype=torch.float32, device=query.device)
+    for kind, lo, hi in _segments(r, block):
+        if window is not None and hi <= int(q_pos.min()) - window + 1:
+            continue  # every query's window starts after this piece
+        scores, weighted_values = _segment_keys_values(kv, kind, lo, hi, qg)
+        logits = scores * scaling  # [B, Hkv, M, hi - lo]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if mask is not None:
+            logits = logits.masked_fill(~mask[..., lo:hi].expand(b, hq, n, hi - lo).reshape(logits.shape), -torch.inf)
+        if window is not None:
+            k_pos = torch.arange(lo, hi, device=query.device)
+            logits = logits.masked_fill(k_pos <= (q_pos[:, None] - window), -torch.inf)
+        seg_lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, M]
+        probs = torch.exp(logits - seg_lse.unsqueeze(-1)).nan_to_num_(0.0)
+        out, lse = merge(out, lse, weighted_values(probs), seg_lse)
+    return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
+
+
 def past_probabilities(
     query: torch.Tensor,
     kv,
