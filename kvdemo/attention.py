@@ -11,9 +11,22 @@ through untouched as `key`/`value` to the attention function registered for the 
   this call and SDPA runs over it plus the exact new states.
 
 Plain tensors (a DynamicCache, or no cache) go to transformers' own SDPA unchanged.
+
+What each model family passes besides the mask (README "Supported model families"):
+- `softcap` (Gemma-2): logits become tanh(s / c) * c before the softmax, in every path: prefill and long
+  blocks by exact fp32 attention (SDPA has no softcap), the packed past by the PyTorch reference;
+- `sliding_window` (Mistral, Phi-3, Gemma-2/3 local layers): a query at position p sees keys at
+  positions p - window < k <= p. transformers' mask already says so once the sequence is longer than the
+  window; the window is also ANDed in here, so it holds whoever built the mask;
+- `s_aux` (gpt-oss sinks): one learned logit per head in the softmax denominator, with no value;
+- a value head_dim different from the key head_dim (MLA, DeepSeek-V3) is refused (`models.check_supported`
+  at load, and here for a model that reached us another way).
+The Triton kernel takes no mask and no softcap: those calls go to the PyTorch reference.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +37,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from .cache import CacheView
 from .quant import backend_for, reference  # backend_for: one rule for attention and quantize-on-append
 
+BF16_BELOW_FP16_MAX = 65280.0  # the largest bf16 value that is finite in fp16 (65504 rounds up to 65536 in bf16)
+
 NAME = "kvdemo"
 DECODE_MAX_QUERIES = 16
 
@@ -33,30 +48,74 @@ DECODE_MAX_QUERIES = 16
 observers: list = []
 
 
-def past_attention(query, packed, scaling, mask=None):
-    """Dispatch: (out, lse) of `query` over a layer's packed past (see reference.past_attention)."""
-    if backend_for(query.device) == "triton" and mask is None:
+def past_attention(query, packed, scaling, mask=None, softcap=None):
+    """Dispatch: (out, lse) of `query` over a layer's packed past (see reference.past_attention).
+
+    Calls with a mask (sliding-window layers past their window, padding) or a logit softcap (Gemma-2) go
+    to the PyTorch reference: the Triton kernel implements neither.
+    """
+    if backend_for(query.device) == "triton" and mask is None and softcap is None:
         from .quant import triton_kernels
 
-        return triton_kernels.past_attention(query, packed, scaling)
-    return reference.past_attention(query, packed, scaling, mask)
+        return triton_kernels.past_attention(query, fp16_clamped(packed), scaling)
+    return reference.past_attention(query, packed, scaling, mask, softcap=softcap)
 
 
-def _new_token_attention(query, keys, values, scaling, mask):
-    """Exact causal attention of query [B, Hq, n, D] over this call's keys [B, Hkv, n, D] -> (out, lse)."""
+def fp16_clamped(packed):
+    """The packed past with its bf16 full-precision parts (sinks, residual) clamped to the fp16 range.
+
+    The Triton kernel reads 16-bit keys and values as fp16; a bf16 state beyond +-65504 would become inf
+    there (and NaN after the softmax). Clamped copies cover at most sinks + residual tokens; codes and
+    their metadata are fp16-range already (`reference.quantize` clamps).
+    """
+    if packed.keys.residual.dtype != torch.bfloat16:
+        return packed
+    top = BF16_BELOW_FP16_MAX
+
+    def clamp(part):
+        return replace(part, sinks=part.sinks.clamp(-top, top), residual=part.residual.clamp(-top, top))
+
+    return replace(packed, keys=clamp(packed.keys), values=clamp(packed.values))
+
+
+def _exact_attention(query, keys, values, scaling, mask, softcap=None):
+    """Exact causal attention in fp32 of query [B, Hq, n, D] over keys/values [B, Hkv, T, D], T >= n, whose
+    last n positions are the queries' own -> (out fp32 [B, Hq, n, Dv], lse fp32 [B, Hq, n]).
+
+    mask: optional bool [B, 1 or Hq, n, T] (True = attend); softcap: logits -> tanh(s / c) * c.
+    """
     b, hq, n, d = query.shape
-    hkv = keys.shape[1]
+    hkv, t = keys.shape[1], keys.shape[-2]
     grp = hq // hkv
     qg = query.float().reshape(b, hkv, grp * n, d)
-    logits = (qg @ keys.float().transpose(-1, -2)) * scaling  # [B, Hkv, M, n]
-    causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-    allowed = causal.repeat(grp, 1).expand(b, hkv, grp * n, n)
+    logits = (qg @ keys.float().transpose(-1, -2)) * scaling  # [B, Hkv, M, T]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    causal = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(diagonal=t - n)
+    allowed = causal.repeat(grp, 1).expand(b, hkv, grp * n, t)
     if mask is not None:
-        allowed = allowed & mask.expand(b, hq, n, n).reshape(b, hkv, grp * n, n)
+        allowed = allowed & mask.expand(b, hq, n, t).reshape(b, hkv, grp * n, t)
     logits = logits.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    out = torch.exp(logits - lse).nan_to_num_(0.0) @ values.float()
-    return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
+    out = torch.exp(logits - lse).nan_to_num_(0.0) @ values.float()  # [B, Hkv, M, Dv]
+    return out.reshape(b, hq, n, -1), lse.reshape(b, hq, n)
+
+
+def _window(mask, sliding_window, n, total, device):
+    """`mask` [B, 1|Hq, n, total] (or None) ANDed with a causal sliding window: the query at position p
+    (the last n of `total` positions) sees keys at p - window < k <= p (transformers' convention)."""
+    if sliding_window is None or total <= sliding_window:
+        return mask
+    q_pos = torch.arange(total - n, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    window = (k_pos > q_pos - sliding_window) & (k_pos <= q_pos)  # [n, total]
+    return window if mask is None else mask & window
+
+
+def _with_sink_logit(out, lse, s_aux):
+    """gpt-oss sinks: a learned logit per query head s_aux [Hq] joins the softmax denominator, no value."""
+    sink = s_aux.float().view(1, -1, 1).expand_as(lse)
+    return merge(out, lse, torch.zeros_like(out), sink)
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -67,12 +126,36 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out_a * wa + out_b * wb, lse
 
 
-def attend(query: torch.Tensor, view: CacheView, scaling: float, attention_mask=None) -> torch.Tensor:
-    """query [B, Hq, n, D] over the view's stored past + exact new states -> [B, Hq, n, D]."""
+def _bool_mask(attention_mask):
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2  # an additive float mask
+
+
+def attend(
+    query: torch.Tensor,
+    view: CacheView,
+    scaling: float,
+    attention_mask=None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """query [B, Hq, n, D] over the view's stored past + exact new states -> [B, Hq, n, D].
+
+    softcap, sliding_window, s_aux: as the model passes them (see the module docstring)."""
     n, past = query.shape[-2], view.past_len
-    mask = attention_mask if (attention_mask is not None and attention_mask.dtype == torch.bool) else None
-    if attention_mask is not None and mask is None:  # an additive float mask
-        mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    mask = _window(_bool_mask(attention_mask), sliding_window, n, past + n, query.device)
+    if softcap is not None or s_aux is not None:  # SDPA has neither: exact fp32 attention, or the reference
+        if past == 0 or n > DECODE_MAX_QUERIES:
+            keys, values = view.keys, view.values
+            if past:
+                past_k, past_v = view.packed().dequantized()
+                keys, values = torch.cat([past_k, keys], dim=-2), torch.cat([past_v, values], dim=-2)
+            out, lse = _exact_attention(query, keys, values, scaling, mask, softcap)
+            if s_aux is not None:
+                out, lse = _with_sink_logit(out, lse, s_aux)
+            return out.to(query.dtype)
     if past == 0:
         out = F.scaled_dot_product_attention(
             query,
@@ -94,13 +177,15 @@ def attend(query: torch.Tensor, view: CacheView, scaling: float, attention_mask=
     if n == 1 and mask is None and view.stored_exactly():
         # one decode step whose token the cache still holds exactly (sink or residual): it is just one
         # more full-precision key of the stored past, so one pass over past + new, no merge
-        out, lse = past_attention(query, view.layer.packed(past + 1), scaling)
+        out, lse = past_attention(query, view.layer.packed(past + 1), scaling, softcap=softcap)
     else:
         past_mask = None if mask is None else mask[..., :past]
         new_mask = None if mask is None else mask[..., past : past + n]
-        out_p, lse_p = past_attention(query, view.packed(), scaling, past_mask)
-        out_n, lse_n = _new_token_attention(query, view.keys, view.values, scaling, new_mask)
+        out_p, lse_p = past_attention(query, view.packed(), scaling, past_mask, softcap)
+        out_n, lse_n = _exact_attention(query, view.keys, view.values, scaling, new_mask, softcap)
         out, lse = merge(out_p, lse_p, out_n, lse_n)
+    if s_aux is not None:
+        out, lse = _with_sink_logit(out, lse, s_aux)
     for fn in observers:
         fn(view=view, query=query, scaling=scaling, mask=mask, out=out, lse=lse)
     return out.to(query.dtype)
@@ -108,10 +193,21 @@ def attend(query: torch.Tensor, view: CacheView, scaling: float, attention_mask=
 
 def kvdemo_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention-function signature; returns (attn_output [B, n, Hq, D], None)."""
-    if not isinstance(key, CacheView):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = attend(query, key, scaling, attention_mask)
+    softcap, window, s_aux = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
+    if not isinstance(key, CacheView):
+        if softcap is None and s_aux is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        mask = _window(_bool_mask(attention_mask), window, query.shape[-2], key.shape[-2], query.device)
+        out, lse = _exact_attention(query, key, value, scaling, mask, softcap)
+        if s_aux is not None:
+            out, _ = _with_sink_logit(out, lse, s_aux)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    if key.values.shape[-1] != key.keys.shape[-1]:
+        raise ValueError(
+            f"kvdemo attention needs equal key and value head dims, got {key.keys.shape[-1]} and {key.values.shape[-1]}"
+        )
+    out = attend(query, key, scaling, attention_mask, softcap, window, s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -120,5 +216,9 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 def use_kvdemo_attention(model) -> None:
-    """Route the model's attention through kvdemo (plain tensors still go to SDPA)."""
+    """Route the model's attention through kvdemo (plain tensors still go to SDPA). A model kvdemo cannot
+    compute exactly is refused with a one-line `ModelLoadError` (`models.check_supported`)."""
+    from .models import check_supported
+
+    check_supported(model)
     model.set_attn_implementation(NAME)
