@@ -148,10 +148,8 @@ def test_family_full_logits_equal_eager_and_int8_greedy_equals_full(family):
     diff = float((got - want).abs().max())
     assert diff < TOLERANCE, f"{family}: max |logit diff| {diff:.2e} vs eager"
 
-    cache = runner.new_cache(lm, SPEC)
-    runner.prefill(lm, prompt, cache)
-    assert cache.nbytes()["codes"] > 0  # the prompt really sits in quantized blocks
     quant = runner.run_precision(lm, prompt, SPEC, NEW, keep_logits=True)
+    assert quant.cache_bytes["codes"] > 0  # the past really sits in quantized blocks
     assert quant.tokens == full.tokens, (
         f"{family}: int8 diverges at {runner.first_divergence(quant.tokens, full.tokens)}"
     )
@@ -166,12 +164,12 @@ def test_gemma2_softcap_changes_the_logits_and_is_applied():
     capped, uncapped = _model("gemma2"), _model("gemma2", attn_logit_softcapping=None)
     prompt = _prompt()
     want = _eager_logits(capped, prompt)
-    assert float((want - _eager_logits(uncapped, prompt)).abs().max()) > 1000 * TOLERANCE
+    assert float((want - _eager_logits(uncapped, prompt)).abs().max()) > 1.0  # measured: 3.4
     lm = _lm(capped)
     cache = runner.new_cache(lm, SPEC)
     got = runner.forward(lm, prompt[:20], cache)
     got = torch.cat([got, *(runner.forward(lm, [t], cache) for t in prompt[20:])])  # decode over codes
-    assert float((got - want).abs().max()) < 0.05  # int8 codes: the quantization error, not a missing cap
+    assert float((got - want).abs().max()) < 0.05  # int8 codes (measured 0.016): not a missing cap
     assert float((got[:20] - want[:20]).abs().max()) < TOLERANCE  # prefill: exact
 
 
@@ -186,7 +184,7 @@ def test_gpt_oss_sinks_change_the_logits_and_are_applied():
         off = _eager_logits(model, prompt)
         for layer, s in zip(model.model.layers, saved, strict=True):
             layer.self_attn.sinks.copy_(s)
-    assert float((want - off).abs().max()) > 1000 * TOLERANCE
+    assert float((want - off).abs().max()) > 1.0  # measured: 4.3; kvdemo matches `want` (the family test)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
