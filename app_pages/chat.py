@@ -9,6 +9,7 @@ import streamlit as st
 from app_pages import common
 from kvdemo.chat import Answer, ChatError, ChatSession, Turn, divergence_split
 from kvdemo.runner import Cancelled
+from kvdemo.sizes import cache_caption
 
 STOPPING_WAIT_S = 60  # a stopped answer ends at its next token (a prefill chunk at the most)
 
@@ -59,7 +60,7 @@ def answer_caption(a: Answer) -> str:
     reused = a.prompt_tokens - a.fed_tokens
     parts.append(f"read {a.fed_tokens:,} new tokens" + (f", {reused:,} from the cache" if reused > 0 else ""))
     if a.cache_tokens:
-        parts.append(f"cache {common.mib(a.cache_bytes)} for {a.cache_tokens:,} tokens")
+        parts.append(cache_caption(lm, a.precision, a.cache_bytes, a.cache_tokens))
     return " · ".join(parts)
 
 

@@ -134,20 +134,35 @@ def spec() -> PrecisionSpec:
 
 
 def _status_card(lm: LoadedModel) -> None:
+    """The model and its KV bytes per token on one basis: live bytes in the model's dtype (kvdemo.sizes)."""
+    from kvdemo import sizes
+
     s = spec()
-    fp16 = lm.kv_bytes_per_token()
-    quant = lm.kv_bytes_per_token(s)
+    full, quant = sizes.per_token(lm, "full"), sizes.per_token(lm, s)
+
+    def per_token(b: float) -> str:
+        return f"{b:,.0f} B"
+
     with st.container(border=True, key="model_status"):
         st.markdown(f"**{lm.name}**")
         st.caption(
             f"{lm.num_layers} layers · {lm.kv_heads} kv heads · head_dim {lm.head_dim} · "
-            f"context {lm.max_context:,} · {lm.device.type} · {str(lm.dtype).replace('torch.', '')} · "
+            f"context {lm.max_context:,} · {lm.device.type} · {sizes.dtype_name(lm.dtype)} · "
             f"weights {lm.weight_bytes() / 2**20:,.0f} MiB"
         )
         st.markdown(
-            f"KV cache: **{fp16:,.0f} B/token** at 16 bit, **{quant:,.0f} B/token** at {s.label} "
-            f"({fp16 / quant:.2f}x smaller)"
+            f"KV cache per token: full **{full.text(per_token)}**, {s.label} **{quant.text(per_token)}**: "
+            f"**{quant.times_smaller(full):.2f}x smaller** (B/token, live over live)"
         )
+        doc = document()
+        if doc and s.is_quantized:
+            n = doc["tokens"]
+            a, b = sizes.prefilled(lm, "full", n), sizes.prefilled(lm, s, n)
+            st.caption(
+                f"Your document ({n:,} tokens): full {a.text()}, {s.label} {b.text()}: "
+                f"{b.times_smaller(a):.2f}x smaller (its newest {min(s.residual, n):,} tokens stay full precision)."
+            )
+        st.caption(sizes.basis_note(lm))
 
 
 def sidebar() -> LoadedModel:
@@ -158,6 +173,10 @@ def sidebar() -> LoadedModel:
         _precision_section()
         lm = model()
         _status_card(lm)
+        with st.expander("A stronger model", expanded=False, key="model_stronger"):
+            from kvdemo import sizes
+
+            st.markdown(sizes.stronger_model_text(lm))
     return lm
 
 

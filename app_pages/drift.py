@@ -3,12 +3,13 @@ head heatmap of the attention JS divergence, drift by key position and the next-
 token. The work is `kvdemo.drift.run_drift`; figures come from `kvdemo.figures`."""
 
 import json
+import time
 
 import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures
+from kvdemo import figures, rates
 from kvdemo.drift import document_prompt, run_drift, unquantized
 from kvdemo.precision import parse_precision_list
 
@@ -47,6 +48,9 @@ tokens = int(c1.number_input("Document tokens", 32, budget, step=64, key="drift_
 picked = c2.multiselect("Quantized precisions", choices, key="drift_precisions")
 new_tokens = int(c3.number_input("Generated tokens", 1, 256, key="drift_new_tokens"))
 run = st.button("Run drift", key="drift_run", type="primary")
+QUESTION_TOKENS = 32  # the question and chat template around the document (a rough count, for the hint)
+work_tokens = (tokens + QUESTION_TOKENS + new_tokens) * (len(picked) + 1)  # full precision + each picked
+st.caption(rates.hint(lm, "drift", work_tokens, f"{tokens:,} tokens at {len(picked) + 1} precisions"))
 
 if run:
     if not picked:
@@ -68,7 +72,10 @@ if run:
                 bar.progress(done[0] / (len(specs) + 1), text=f"running {label}")
                 done[0] += 1
 
+            start = time.perf_counter()
             out = run_drift(lm, document_prompt(lm, text), specs, new_tokens=new_tokens, on_progress=progress)
+            done_tokens = (out["prompt_tokens"] + out["new_tokens"]) * (len(specs) + 1)
+            rates.record(lm, "drift", done_tokens, time.perf_counter() - start)
             bar.empty()
             out["document"] = doc["name"] if source == "document" and doc else "Pride and Prejudice"
             out["document_tokens"] = n
@@ -80,7 +87,7 @@ if run:
 
 out = st.session_state.get("drift_result")
 if out is None:
-    st.info("Pick precisions and press **Run drift** (a 1k-token document takes about a minute on 2 CPU cores).")
+    st.info("Pick precisions and press **Run drift**.")
     st.stop()
 
 st.subheader(f"{out['document']}: {out['prompt_tokens']:,}-token prompt, {out['new_tokens']} generated tokens")

@@ -1,14 +1,19 @@
-"""Home: what KV-cache quantization is, with one live number (KV bytes per token at the chosen precision)."""
+"""Home: what KV-cache quantization is, with one live number (KV bytes per token at the chosen precision,
+on the basis `kvdemo.sizes` states), and how to load a stronger model and which sizes fit this machine."""
 
+import pandas as pd
 import streamlit as st
 
 from app_pages import common
+from kvdemo import sizes
 
 lm = common.model()
 spec = common.spec()
-fp16 = lm.kv_bytes_per_token()
-quant = lm.kv_bytes_per_token(spec)
+full = sizes.per_token(lm, "full")
+quant = sizes.per_token(lm, spec)
+context = sizes.prefilled(lm, "full", lm.max_context)
 bits = spec.bits_per_element(lm.head_dim)
+dtype = sizes.dtype_name(lm.dtype)
 
 st.title("kvdemo: what KV-cache quantization buys and costs")
 st.markdown(
@@ -24,18 +29,23 @@ channels) and values **per token**, keeps the newest tokens (the *residual* wind
 """
 )
 c1, c2, c3 = st.columns(3)
-c1.metric("KV bytes/token at 16 bit", f"{fp16:,.0f} B")
+c1.metric(f"KV bytes/token, full ({dtype})", f"{full.live:,.0f} B", help=f"{full.at16:,.0f} B at 16 bits")
 c2.metric(
     f"KV bytes/token at {spec.label}",
-    f"{quant:,.0f} B",
-    delta=f"{fp16 / quant:.2f}x smaller",
+    f"{quant.live:,.0f} B",
+    delta=f"{quant.times_smaller(full):.2f}x smaller",
     delta_color="off",
-    help=f"{bits['key']:.2f} bits per key element, {bits['value']:.2f} per value element (codes + scales/zeros)",
+    help=f"{bits['key']:.2f} bits per key element, {bits['value']:.2f} per value element (codes + 16-bit "
+    "scales/zeros), in the quantized region; the residual window and sinks stay full precision",
 )
-c3.metric("A full 16-bit context", f"{fp16 * lm.max_context / 2**20:,.0f} MiB", help=f"{lm.max_context:,} tokens")
+c3.metric(
+    f"A full context, full precision ({dtype})",
+    sizes.mib(context.live),
+    help=f"{lm.max_context:,} tokens: {context.text()}",
+)
 st.caption(
     f"{lm.name}: 2 (K and V) x {lm.num_layers} layers x {lm.kv_heads} kv heads x {lm.head_dim} head_dim x bytes "
-    "per element. Change the precision in the sidebar and this number follows."
+    f"per element. {sizes.basis_note(lm)} Change the precision in the sidebar and these numbers follow."
 )
 
 st.subheader("Pages")
@@ -47,3 +57,14 @@ st.page_link(
 )
 st.page_link("app_pages/memory.py", label="Memory & headroom: measured bytes and how many users fit on a GPU")
 st.page_link("app_pages/drift.py", label="Attention drift: where quantization moves the attention, layer by head")
+
+st.subheader("A stronger model")
+memory = sizes.machine_memory(lm.device)
+st.markdown(sizes.stronger_model_text(lm, memory))
+fits = pd.DataFrame(sizes.models_that_fit(memory["available"]))
+st.caption(
+    f"Longest context (tokens, up to each model's own) one sequence can hold in {memory['available'] / 1e9:,.1f} GB "
+    f"of free {memory['name']}, beside 16-bit weights and a 10% reserve, per KV precision (16-bit full precision); "
+    f"0: not even {sizes.FIT_CONTEXT:,} tokens fit. Reference configs: the Memory page plans larger GPUs."
+)
+st.dataframe(fits, hide_index=True, key="home_fits")

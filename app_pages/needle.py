@@ -5,12 +5,13 @@ The work is `kvdemo.needle.run_grid`; figures come from `kvdemo.figures`."""
 import csv
 import io
 import json
+import time
 
 import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures
+from kvdemo import figures, rates
 from kvdemo.needle import CSV_COLUMNS, KINDS, NeedleError, parse_numbers, run_grid, summarize
 
 lm = common.model()
@@ -68,16 +69,28 @@ picked = st.multiselect("Precisions (full precision is always included)", choice
 c1, c2 = st.columns([1, 5])
 run = c1.button("Run grid", key="needle_run", type="primary")
 c2.button("Cancel", key="needle_cancel", help="Stops the grid; the cells finished so far are kept")
+try:
+    planned = sum(parse_numbers(st.session_state["needle_lengths"], "lengths", int)) * len(
+        parse_numbers(st.session_state["needle_depths"], "depths", float)
+    )
+    st.caption(rates.hint(lm, "needle", planned * len(set(["full", *picked])), "this grid"))
+except NeedleError:
+    pass
 
 partial = st.session_state.get("needle_partial")
 if st.session_state.get("needle_cancel") and partial and partial["rows"]:  # a run interrupted by Cancel
-    done = partial["meta"] | {"rows": partial["rows"], "summary": summarize(partial["rows"]), "stopped": "cancelled"}
-    st.session_state["needle_result"] = done
+    # kept beside the last complete grid, never in its place
+    st.session_state["needle_cancelled"] = partial["meta"] | {
+        "rows": partial["rows"],
+        "summary": summarize(partial["rows"]),
+        "stopped": "cancelled",
+        "seconds": round(partial["seconds"], 2),
+    }
     st.session_state.pop("needle_partial", None)
-    st.info(f"Cancelled: kept the {len(partial['rows'])} runs finished so far.")
 
 if run:
     status = st.empty()
+    bar_slot = st.empty()  # the progress bar; emptied whatever happens, a rejected setting included
     try:
         lengths = parse_numbers(st.session_state["needle_lengths"], "lengths", int)
         depths = parse_numbers(st.session_state["needle_depths"], "depths", float)
@@ -99,13 +112,16 @@ if run:
             "seconds": 0.0,
             "notes": [],
         }
-        st.session_state["needle_partial"] = {"meta": meta, "rows": []}
+        st.session_state["needle_partial"] = {"meta": meta, "rows": [], "seconds": 0.0}
 
         def work():
-            bar = st.progress(0.0, text="starting...")
+            bar = bar_slot.progress(0.0, text="starting...")
+            start = time.perf_counter()
 
             def progress(done: int, total: int, row) -> None:
-                st.session_state["needle_partial"]["rows"].append(row.to_dict())
+                partial = st.session_state["needle_partial"]
+                partial["rows"].append(row.to_dict())
+                partial["seconds"] = time.perf_counter() - start  # what a Cancel keeps
                 mark = "found" if row.correct else "missed"
                 bar.progress(done / total, text=f"{done}/{total}: {row.precision} at {row.length} tokens, "
                              f"depth {row.depth:g}%: {mark}")  # fmt: skip
@@ -124,38 +140,71 @@ if run:
                 seed=meta["seed"],
                 on_progress=progress,
             )
-            bar.empty()
+            rates.record(lm, "needle", sum(r.prompt_tokens for r in result.rows), result.seconds)
             return result.to_dict()
 
-        out = common.run_exclusive(lm, work, status)
+        try:
+            out = common.run_exclusive(lm, work, status)
+        finally:
+            bar_slot.empty()
         st.session_state.pop("needle_partial", None)
         if out is not None:
             st.session_state["needle_result"] = out
+            st.session_state.pop("needle_cancelled", None)  # the new complete grid supersedes it
+
+
+def show(out: dict, key: str = "needle") -> None:
+    """A grid's summary, heatmaps, answers and downloads (`key` prefixes the widget keys)."""
+    for note in out.get("notes", []):
+        st.caption(note)
+    missed = figures.full_missed_cells(out)
+    if missed:
+        full_cells = sum(r["precision"] == "full" for r in out["rows"])
+        st.warning(
+            f'Full precision itself missed {len(missed)} of {full_cells} cells (marked "{figures.FULL_MISSED}"): '
+            "there the model fails without any quantization, so a quantized miss says nothing; compare "
+            "log p(true answer) instead, or load a stronger model (sidebar).",
+            icon=":material/info:",
+        )
+    summary = pd.DataFrame(out["summary"])
+    st.dataframe(summary, hide_index=True, key=f"{key}_summary")
+    st.plotly_chart(figures.needle_heatmap_figure(out), key=f"{key}_heatmap")
+    precisions = list(dict.fromkeys(r["precision"] for r in out["rows"]))
+    if "full" in precisions and len(precisions) > 1:
+        st.plotly_chart(figures.needle_difference_figure(out), key=f"{key}_difference")
+    st.plotly_chart(figures.needle_logprob_figure(out), key=f"{key}_logprob")
+    st.markdown("**Answers**")
+    table = pd.DataFrame(out["rows"])[
+        ["length", "depth", "precision", "correct", "answer", "expected", "answer_logprob", "depth_actual"]
+        + ["prompt_tokens"]
+    ]
+    st.dataframe(table, hide_index=True, key=f"{key}_answers")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(out["rows"])
+    c1, c2 = st.columns(2)
+    name = "needle" if key == "needle" else "needle-partial"
+    c1.download_button("Download CSV", buf.getvalue(), f"{name}.csv", "text/csv", key=f"{key}_csv")
+    c2.download_button(
+        "Download JSON", json.dumps(out, indent=2), f"{name}.json", "application/json", key=f"{key}_json"
+    )
+
 
 out = st.session_state.get("needle_result")
-if out is None:
-    st.info("Set the grid and press **Run grid** (each cell of 1k tokens takes a few seconds per precision on CPU).")
+cancelled = st.session_state.get("needle_cancelled")
+if out is None and cancelled is None:
+    st.info("Set the grid and press **Run grid**.")
     st.stop()
 
-st.subheader(f"{out['kind']} needle in {out['haystack']}: {len(out['rows'])} runs")
-for note in out.get("notes", []):
-    st.caption(note)
-summary = pd.DataFrame(out["summary"])
-st.dataframe(summary, hide_index=True, key="needle_summary")
-st.plotly_chart(figures.needle_heatmap_figure(out), key="needle_heatmap")
-precisions = list(dict.fromkeys(r["precision"] for r in out["rows"]))
-if "full" in precisions and len(precisions) > 1:
-    st.plotly_chart(figures.needle_difference_figure(out), key="needle_difference")
-st.plotly_chart(figures.needle_logprob_figure(out), key="needle_logprob")
-st.markdown("**Answers**")
-table = pd.DataFrame(out["rows"])[
-    ["length", "depth", "precision", "correct", "answer", "expected", "answer_logprob", "depth_actual", "prompt_tokens"]
-]
-st.dataframe(table, hide_index=True, key="needle_answers")
-buf = io.StringIO()
-writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-writer.writeheader()
-writer.writerows(out["rows"])
-c1, c2 = st.columns(2)
-c1.download_button("Download CSV", buf.getvalue(), "needle.csv", "text/csv", key="needle_csv")
-c2.download_button("Download JSON", json.dumps(out, indent=2), "needle.json", "application/json", key="needle_json")
+if out is not None:
+    st.subheader(f"{out['kind']} needle in {out['haystack']}: {len(out['rows'])} runs, {out['seconds']:.1f} s")
+    show(out)
+if cancelled is not None:
+    planned = len(cancelled["lengths"]) * len(cancelled["depths"]) * len(cancelled["precisions"])
+    title = f"Cancelled run (partial): {len(cancelled['rows'])} of {planned} runs in {cancelled['seconds']:.1f} s" + (
+        ", shown beside the last complete grid above" if out is not None else ""
+    )
+    st.info(title, icon=":material/cancel:")
+    with st.expander(title, expanded=out is None):
+        show(cancelled, key="needle_partial")

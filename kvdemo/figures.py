@@ -1,6 +1,24 @@
 """Plotly figures built from plain result dicts/dataclasses; no Streamlit import."""
 
+import textwrap
+
 import plotly.graph_objects as go
+
+TITLE_CHARS = 48  # a title line longer than this is wrapped: a chart in a half-width column shows ~50 characters
+
+
+def wrap_title(text: str, width: int = TITLE_CHARS) -> str:
+    """`text` broken into lines of at most `width` characters (at spaces) joined by <br>: plotly does not
+    wrap titles, and a long one is cut off at the chart's edge."""
+    return "<br>".join(textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)) or text
+
+
+def _title(fig: go.Figure, text: str, width: int = TITLE_CHARS, space: int = 0, **layout) -> None:
+    """Set a title wrapped at `width` characters and leave room above the plot for its lines (+ `space` px)."""
+    wrapped = wrap_title(text, width)
+    lines = wrapped.count("<br>") + 1
+    fig.update_layout(title={"text": wrapped}, margin={"t": 40 + 24 * lines + space}, **layout)
+
 
 # --- memory / concurrency headroom: figures of `kvdemo.memory.headroom` result dicts ---------------
 
@@ -48,8 +66,9 @@ def headroom_memory_figure(out: dict) -> go.Figure:
     if curve["max_context"] < xs[-1]:
         fig.add_vline(x=curve["max_context"], line_color="red", annotation_text="model max context")
     users = curve["users"]
-    fig.update_layout(
-        title=f"{out['model']['display_name']} on {out['gpus']} x {out['gpu_info']['display_name']}: "
+    _title(
+        fig,
+        f"{out['model']['display_name']} on {out['gpus']} x {out['gpu_info']['display_name']}: "
         f"memory for {users} sequence{'s' if users > 1 else ''} vs context",
         xaxis_title="context (tokens)",
         yaxis_title="GPU memory (GB, all GPUs)",
@@ -68,8 +87,9 @@ def headroom_concurrency_figure(out: dict) -> go.Figure:
     fig = go.Figure(
         go.Bar(x=labels, y=counts, text=text, textposition="outside", hovertext=hover, name="max sequences")
     )
-    fig.update_layout(
-        title=f"Concurrent {out['context']:,}-token sequences: {out['model']['display_name']}, "
+    _title(
+        fig,
+        f"Concurrent {out['context']:,}-token sequences: {out['model']['display_name']}, "
         f"{out['gpus']} x {out['gpu_info']['display_name']}, {out['weight_bits']}-bit weights",
         xaxis_title="KV precision",
         yaxis_title="max concurrent sequences",
@@ -87,9 +107,10 @@ def headroom_split_figure(out: dict) -> go.Figure:
     over = [out["split"][k]["over"] / _HEADROOM_GB for k in labels]
     if any(over):
         fig.add_trace(go.Bar(y=labels, x=over, name="over budget", orientation="h", marker_color="red"))
-    fig.update_layout(
+    _title(
+        fig,
+        f"Memory split: {out['gpus']} x {out['gpu_info']['display_name']} ({out['budget_bytes'] / _HEADROOM_GB:.0f} GB)",
         barmode="stack",
-        title=f"Memory split: {out['gpus']} x {out['gpu_info']['display_name']} ({out['budget_bytes'] / _HEADROOM_GB:.0f} GB)",
         xaxis_title="GB (all GPUs)",
         yaxis_title="KV precision",
     )
@@ -112,8 +133,9 @@ def headroom_stacking_figure(out: dict) -> go.Figure:
             name="max sequences",
         )
     )
-    fig.update_layout(
-        title=f"Stacking weight and KV precision: concurrent {out['context']:,}-token sequences",
+    _title(
+        fig,
+        f"Stacking weight and KV precision: concurrent {out['context']:,}-token sequences",
         yaxis_title="KV precision",
     )
     return fig
@@ -137,8 +159,9 @@ def drift_js_heatmap_figure(result: dict) -> go.Figure:
             hovertemplate="layer %{y}, head %{x}: JS %{z:.2e}<extra></extra>",
         )
     )
-    fig.update_layout(
-        title=f"{result['precision']}: attention JS divergence vs full precision (mean {result['mean_js']:.2e})",
+    _title(
+        fig,
+        f"{result['precision']}: attention JS divergence vs full precision (mean {result['mean_js']:.2e})",
         xaxis_title="query head",
         yaxis_title="layer",
     )
@@ -158,8 +181,9 @@ def drift_layer_figure(out: dict) -> go.Figure:
                 hovertemplate="layer %{x}: JS %{y:.2e}<extra>" + r["precision"] + "</extra>",
             )
         )
-    fig.update_layout(
-        title="Attention drift by layer",
+    _title(
+        fig,
+        "Attention drift by layer",
         xaxis_title="layer",
         yaxis_title="mean JS divergence (nats)",
         yaxis_type="log",
@@ -189,8 +213,9 @@ def drift_position_figure(out: dict) -> go.Figure:
     if quantized:
         recent = next(b for b in quantized[0]["by_position"] if b["bin"] == "recent")
         fig.add_vline(x=recent["start"], line_dash="dot", line_color="gray", annotation_text="full-precision residual")
-    fig.update_layout(
-        title="Attention drift by key position",
+    _title(
+        fig,
+        "Attention drift by key position",
         xaxis_title="key position (tokens)",
         yaxis_title="JS divergence per key (nats)",
         yaxis_type="log",
@@ -212,8 +237,9 @@ def drift_logit_kl_figure(out: dict) -> go.Figure:
                 hovertemplate="token %{x}: KL %{y:.2e}<extra>" + r["precision"] + "</extra>",
             )
         )
-    fig.update_layout(
-        title="Next-token logit KL along the generation",
+    _title(
+        fig,
+        "Next-token logit KL along the generation",
         xaxis_title="generated token",
         yaxis_title="KL(full || quantized) (nats)",
         yaxis_type="log",
@@ -239,7 +265,7 @@ def _bench_bars(report: dict, metric: str, keys: list, key_label: str, title: st
                 hovertemplate="%{x}: %{y:.4g}<extra>" + f"{key_label} {key}" + "</extra>",
             )
         )
-    fig.update_layout(title=title, barmode="group", yaxis_title=yaxis, xaxis_title="contender")
+    _title(fig, title, barmode="group", yaxis_title=yaxis, xaxis_title="contender")
     return fig
 
 
@@ -287,8 +313,9 @@ def bench_needle_figure(report: dict) -> go.Figure:
                 hovertemplate="%{x}: %{y:.3f} nats<extra>" + label + "</extra>",
             )
         )
-    fig.update_layout(
-        title="Pass key log-probability (higher is better, 0 = certain)",
+    _title(
+        fig,
+        "Pass key log-probability (higher is better, 0 = certain)",
         barmode="group",
         yaxis_title="log-prob (nats)",
         xaxis_title="contender",
@@ -343,11 +370,23 @@ def _needle_grid(rows: list[dict], precision: str, lengths: list, depths: list, 
     return [[_needle_value(cells[(n, d)], value) if (n, d) in cells else None for n in lengths] for d in depths]
 
 
-def _needle_texts(rows: list[dict], precision: str, lengths: list, depths: list) -> list[list[str]]:
+FULL_MISSED = "full missed"  # the label of a cell where full precision itself missed the needle
+
+
+def full_missed_cells(result, baseline: str = "full") -> set[tuple[int, float]]:
+    """(length, depth) of the cells where `baseline` (full precision) itself missed the needle: there a
+    quantized miss says nothing about quantization."""
+    rows = _needle_rows(result)[0]
+    return {(r["length"], r["depth"]) for r in rows if r["precision"] == baseline and not r["correct"]}
+
+
+def _needle_texts(rows: list[dict], precision: str, lengths: list, depths: list, missed=frozenset()) -> list[list[str]]:
+    """Cell labels: ok/miss, the answer's log-prob, and FULL_MISSED where full precision missed."""
     cells = {(r["length"], r["depth"]): r for r in rows if r["precision"] == precision}
     return [
         [
             f"{'ok' if cells[(n, d)]['correct'] else 'miss'}<br>{cells[(n, d)]['answer_logprob']:.2f}"
+            + (f"<br>({FULL_MISSED})" if (n, d) in missed else "")
             if (n, d) in cells
             else ""
             for n in lengths
@@ -360,16 +399,27 @@ def _needle_panels(precisions: list[str], title: str) -> go.Figure:
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=max(len(precisions), 1), subplot_titles=precisions, shared_yaxes=True)
-    fig.update_layout(title=title, height=380, margin={"t": 80})
+    _title(fig, title, width=90, space=20, height=380)
     return fig
 
 
 def _needle_panel(fig: go.Figure, col: int, z: list, text: list, lengths: list, depths: list, **style) -> None:
-    """One depth x length heatmap panel (column `col`), cells labelled with `text`."""
+    """One depth x length heatmap panel (column `col`), cells labelled with `text`. Every panel's y axis
+    gets the same settings (depth 0 at the top, categories in `depths` order): shared axes in plotly only
+    share the range, so a setting made on the first panel alone leaves the others upside down."""
     x, y = [str(n) for n in lengths], [f"{d:g}%" for d in depths]
     heat = go.Heatmap(z=z, x=x, y=y, text=text, texttemplate="%{text}", xgap=2, ygap=2, **style)
     fig.add_trace(heat, row=1, col=col)
     fig.update_xaxes(title_text="prompt tokens", type="category", row=1, col=col)
+    fig.update_yaxes(
+        autorange="reversed",
+        type="category",
+        categoryorder="array",
+        categoryarray=y,
+        title_text="needle depth" if col == 1 else None,
+        row=1,
+        col=col,
+    )
 
 
 def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
@@ -379,12 +429,13 @@ def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
     rows, precisions, lengths, depths = _needle_rows(result)
     fig = _needle_panels(precisions, f"Needle in a haystack: {_NEEDLE_VALUES.get(value, value)} by depth and length")
     bounded = value in ("correct", "answer_prob")
+    missed = full_missed_cells(result)
     for i, label in enumerate(precisions, start=1):
         _needle_panel(
             fig,
             i,
             _needle_grid(rows, label, lengths, depths, value),
-            _needle_texts(rows, label, lengths, depths),
+            _needle_texts(rows, label, lengths, depths, missed),
             lengths,
             depths,
             colorscale=_NEEDLE_SCALE if bounded else "Viridis",
@@ -393,7 +444,6 @@ def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
             showscale=i == len(precisions),
             hovertemplate=label + ": %{x} tokens, depth %{y}<br>%{text}<extra></extra>",
         )
-    fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category", row=1, col=1)
     return fig
 
 
@@ -414,12 +464,19 @@ def needle_difference_figure(result, baseline: str = "full", value: str = "answe
             for ra, rb in zip(mine, base, strict=True)
         ]
     span = max([abs(v) for d in diffs.values() for r in d for v in r if v is not None] + [1e-3])
+    missed = full_missed_cells(result, baseline)
     for i, (label, diff) in enumerate(diffs.items(), start=1):
         _needle_panel(
             fig,
             i,
             diff,
-            [["" if v is None else f"{v:+.2f}" for v in r] for r in diff],
+            [
+                [
+                    "" if v is None else f"{v:+.2f}" + (f"<br>({FULL_MISSED})" if (n, d) in missed else "")
+                    for n, v in zip(lengths, r, strict=True)
+                ]
+                for d, r in zip(depths, diff, strict=True)
+            ],
             lengths,
             depths,
             colorscale="RdBu",
@@ -428,7 +485,6 @@ def needle_difference_figure(result, baseline: str = "full", value: str = "answe
             showscale=i == len(others),
             hovertemplate=label + f" - {baseline}: " + "%{x} tokens, depth %{y}: %{text}<extra></extra>",
         )
-    fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category", row=1, col=1)
     return fig
 
 
@@ -455,8 +511,10 @@ def needle_logprob_figure(result) -> go.Figure:
                 hovertemplate="%{x} tokens: mean log p %{y:.3f}<extra>" + label + "</extra>",
             )
         )
-    fig.update_layout(
-        title="Needle: log p(true answer) vs length (mean over depths; bars: worst to best depth)",
+    _title(
+        fig,
+        "Needle: log p(true answer) vs length (mean over depths; bars: worst to best depth)",
+        width=90,
         xaxis={"title": "prompt tokens", "type": "log", "tickvals": lengths, "ticktext": [str(n) for n in lengths]},
         yaxis_title="log p(true answer), nats",
         height=380,

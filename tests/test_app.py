@@ -76,7 +76,7 @@ def test_every_page_renders_with_sidebar_and_status_card():
     at = start()
     assert "kvdemo" in at.title[0].value
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["KV bytes/token at 16 bit"] == "23,040 B"  # 2 x 30 layers x 3 heads x 64 x 2 bytes
+    assert metrics["KV bytes/token, full (float32)"] == "46,080 B"  # 2 x 30 layers x 3 heads x 64 x 4 bytes (live)
     assert (
         metrics["KV bytes/token at int4"] == "6,300 B"
     )  # int4: keys 4 + 32/128 bits, values 4 + 32/64 (groups of min(128, head_dim))
@@ -329,3 +329,114 @@ def test_four_sessions_at_once_queue_and_never_see_each_other():
         assert len(session.turns) == 1
     assert len({id(at.session_state["chat_session"].lm) for at in apps}) == 1  # one model for all
     assert not app_model().lock.locked()
+
+
+# --- one basis for sizes, stronger models, partial needle grids, measured time hints ------------------
+def test_every_size_is_live_bytes_with_its_16_bit_equivalent_and_ratios_agree():
+    """Home, the sidebar and the chat captions all state live bytes in the model's dtype (float32 on CPU)
+    with the 16-bit equivalent, and their ratios are live over live (issue 16, item 2)."""
+    at = start()
+    metric = next(m for m in at.metric if m.label == "KV bytes/token at int4")
+    assert metric.value == "6,300 B" and "7.31x smaller" in metric.delta  # 46,080 / 6,300, both live
+    card = " ".join(m.value for m in at.sidebar.markdown)
+    assert "46,080 B live (float32) = 23,040 B at 16 bits" in card and "7.31x smaller" in card
+    at = chat_app()
+    ask(at, "When is the budget review?")
+    full, int4 = [c.value for c in at.caption if "cache " in c.value and " live (float32)" in c.value]
+    assert "at 16 bits" in full and "at 16 bits" in int4
+    session = at.session_state["chat_session"]
+    a_full, a_int4 = session.turns[-1].answers
+    assert (
+        f"{a_full.cache_bytes / 2**20:,.1f} MiB live (float32) = {a_full.cache_bytes / 2**21:,.1f} MiB at 16 bits"
+        in full
+    )
+    doc_line = " ".join(c.value for c in at.sidebar.caption)
+    assert "Your document" in doc_line and "live (float32)" in doc_line
+
+
+def test_home_and_sidebar_say_how_to_load_a_stronger_model_and_what_fits():
+    at = start()
+    assert any(h.value == "A stronger model" for h in at.subheader)
+    text = " ".join(m.value for m in at.markdown)
+    assert "Hugging Face id" in text and "Local folder" in text and "int4:" in text and "GB of free RAM" in text
+    (fits,) = [d.value for d in at.dataframe]
+    assert {"model", "load as", "full", "int8", "int4", "int2"} <= set(fits.columns)
+    sidebar = " ".join(m.value for m in at.sidebar.markdown)
+    assert "Hugging Face id" in sidebar and "int2:" in sidebar
+
+
+def test_needle_page_marks_cells_where_full_precision_missed():
+    at = start("app_pages/needle.py")
+    rows = [
+        {"precision": p, "length": 160, "depth": d, "correct": ok, "answer_logprob": -1.0, "answer": "x"}
+        | {"expected": "y", "depth_actual": d, "prompt_tokens": 160}
+        for p, d, ok in [("full", 0.0, False), ("int4", 0.0, False), ("full", 50.0, True), ("int4", 50.0, True)]
+    ]
+    from kvdemo.needle import summarize
+
+    at.session_state["needle_result"] = {
+        "model": "m", "kind": "custom", "haystack": "manual", "seed": 0, "lengths": [160], "depths": [0.0, 50.0],
+        "precisions": ["full", "int4"], "rows": rows, "summary": summarize(rows), "seconds": 3.0,
+        "stopped": "done", "notes": [],
+    }  # fmt: skip
+    at.run()
+    assert not at.exception
+    assert any("Full precision itself missed 1 of 2 cells" in w.value for w in at.warning)
+    assert "full_missed" in at.dataframe[0].value.columns  # the summary
+    heat = json.loads(at.get("plotly_chart")[0].proto.spec)
+    assert any("full missed" in t for trace in heat["data"] for row in trace["text"] for t in row)
+
+
+def test_cancel_keeps_the_complete_grid_and_shows_the_partial_one_beside_it(monkeypatch):
+    import kvdemo.needle as needle
+
+    at = start("app_pages/needle.py")
+    at.text_input(key="needle_lengths").set_value("160")
+    at.text_input(key="needle_depths").set_value("50")
+    at.multiselect(key="needle_precisions").set_value(["full", "int4"])
+    at.button(key="needle_run").click().run()
+    complete = at.session_state["needle_result"]
+    assert len(complete["rows"]) == 2 and complete["seconds"] > 0
+
+    def one_cell_then_cancel(lm, lengths, depths, precisions, on_progress=None, **kw):
+        time.sleep(0.05)
+        on_progress(1, 8, needle.NeedleRow(**complete["rows"][0]))
+        raise StopException()  # what Streamlit raises in the script when the user's Cancel click reruns it
+
+    monkeypatch.setattr(needle, "run_grid", one_cell_then_cancel)
+    at.text_input(key="needle_depths").set_value("25,50,75,100")
+    at.button(key="needle_run").click().run()
+    at.button(key="needle_cancel").click().run()
+    assert not at.exception
+    assert at.session_state["needle_result"] == complete  # the finished grid is kept
+    partial = at.session_state["needle_cancelled"]
+    assert partial["stopped"] == "cancelled" and len(partial["rows"]) == 1 and partial["seconds"] >= 0.05
+    assert any("Cancelled run (partial): 1 of 8 runs" in i.value for i in at.info)
+    assert len(at.get("download_button")) == 4  # the complete grid's CSV/JSON and the partial one's
+
+
+def test_rejected_needle_setting_leaves_no_progress_bar():
+    at = start("app_pages/needle.py")
+    at.text_input(key="needle_lengths").set_value("99999")
+    at.button(key="needle_run").click().run()
+    assert any("must fit the model's context" in e.value for e in at.error)
+    assert not at.get("progress")
+
+
+def test_drift_time_hint_comes_from_measured_rates():
+    from kvdemo import rates
+
+    rates.clear()
+    at = start("app_pages/drift.py")
+    assert any("cautious guess" in c.value for c in at.caption)
+    at.number_input(key="drift_tokens").set_value(64)
+    at.number_input(key="drift_new_tokens").set_value(1)
+    at.multiselect(key="drift_precisions").set_value(["int8"])
+    at.button(key="drift_run").click().run()
+    assert not at.exception and not at.error
+    at.run()
+    hint = next(c.value for c in at.caption if c.value.startswith("About "))
+    lm = app_model()
+    per_token, runs = rates.rate(lm, "drift")
+    assert runs == 1 and "from the last run here" in hint
+    assert hint.startswith(f"About {rates.duration(rates.estimate(lm, 'drift', (64 + 32 + 1) * 2))} ")

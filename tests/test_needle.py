@@ -96,6 +96,16 @@ def test_summary_counts_agreement_with_full():
     assert s["int4"]["mean_logprob_change"] == pytest.approx(((-0.3 + 0.1) + (-2.5 + 0.2)) / 2)
 
 
+def test_summary_and_cli_text_say_where_full_precision_itself_missed():
+    rows = _fake_result().rows
+    rows[2] = _row("full", 1024, 100.0, False, -4.0)  # full misses the depth-100 cell; int4 misses it too
+    result = needle.NeedleResult("m", "custom", "doc", 0, [1024], [0.0, 100.0], ["full", "int4"], rows, 1.0, "done")
+    s = {r["precision"]: r for r in needle.summarize(rows)}
+    assert s["full"]["full_missed"] == 1 and s["int4"]["full_missed"] == 1
+    text = needle_cli.format_text(result.to_dict())
+    assert "full precision itself missed 1 of 2 cells" in text
+
+
 # --- text handling -------------------------------------------------------------------------------------
 
 

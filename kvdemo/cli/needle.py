@@ -83,6 +83,13 @@ def format_text(out: dict) -> str:
         lines.append(
             f"{s['precision']:<14}{s['correct']:>4}/{s['cells']:<3} {s['mean_answer_logprob']:>10.3f}{change:>10}{agree:>8}"
         )
+    full = [r for r in out["rows"] if r["precision"] == "full"]
+    missed = sum(not r["correct"] for r in full)
+    if missed:
+        lines.append(
+            f"note: full precision itself missed {missed} of {len(full)} cells: there a quantized miss says "
+            "nothing about quantization (compare log p instead, or use a stronger --model)"
+        )
     for note in out.get("notes", []):
         lines.append(f"note: {note}")
     if out.get("files"):

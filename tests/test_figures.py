@@ -1,0 +1,115 @@
+"""Figures read back from their data: every needle panel shows each depth on the same row as the rows it
+was built from, cells where full precision missed are marked, and long titles wrap."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvdemo import figures, memory
+
+LENGTHS = [1000, 2000]
+DEPTHS = [10.0, 50.0, 90.0]
+PRECISIONS = ["full", "int8", "int4", "int2"]
+MAX_TITLE_CHARS = 60  # a half-width chart at the default page width shows about this many
+
+
+def _rows() -> list[dict]:
+    """A grid whose every (precision, length, depth) cell has its own log-prob; full misses depth 90."""
+    rows = []
+    for p, label in enumerate(PRECISIONS):
+        for n in LENGTHS:
+            for d in DEPTHS:
+                correct = not (d == 90.0 or (label == "int2" and d == 10.0))
+                rows.append(
+                    {
+                        "precision": label,
+                        "length": n,
+                        "depth": d,
+                        "correct": correct,
+                        "answer_logprob": -(p + 1) - d / 100 - n / 10_000,
+                    }
+                )
+    return rows
+
+
+def _result() -> dict:
+    return {"precisions": PRECISIONS, "lengths": LENGTHS, "depths": DEPTHS, "rows": _rows()}
+
+
+def displayed_rows(fig, trace) -> list[str]:
+    """The y labels of a heatmap trace from the top of its panel down, as plotly draws them: categories in
+    the axis's `categoryarray` order (or the trace's), bottom up unless the axis is reversed."""
+    axis = fig.layout["yaxis" + trace.yaxis[1:]]
+    order = list(axis.categoryarray) if axis.categoryorder == "array" else list(trace.y)
+    return order if axis.autorange == "reversed" else order[::-1]
+
+
+def _row_value(rows, label, n, depth, value):
+    (row,) = [r for r in rows if r["precision"] == label and r["length"] == n and r["depth"] == depth]
+    return float(row["correct"]) if value == "correct" else row["answer_logprob"]
+
+
+@pytest.mark.parametrize("value", ["correct", "answer_logprob"])
+def test_needle_heatmap_panels_put_each_depth_on_the_same_row(value):
+    rows = _rows()
+    fig = figures.needle_heatmap_figure(_result(), value=value)
+    assert len(fig.data) == len(PRECISIONS)
+    for label, trace in zip(PRECISIONS, fig.data, strict=True):
+        top_down = displayed_rows(fig, trace)
+        assert top_down == ["10%", "50%", "90%"], (label, top_down)  # depth 0 at the top in every panel
+        for shown in top_down:
+            z = trace.z[list(trace.y).index(shown)]
+            depth = float(shown.rstrip("%"))
+            assert list(z) == [_row_value(rows, label, n, depth, value) for n in LENGTHS], (label, shown)
+
+
+def test_needle_difference_panels_put_each_depth_on_the_same_row():
+    rows = _rows()
+    fig = figures.needle_difference_figure(_result())
+    assert len(fig.data) == len(PRECISIONS) - 1
+    for label, trace in zip(PRECISIONS[1:], fig.data, strict=True):
+        top_down = displayed_rows(fig, trace)
+        assert top_down == ["10%", "50%", "90%"], (label, top_down)
+        for shown in top_down:
+            depth = float(shown.rstrip("%"))
+            want = [
+                _row_value(rows, label, n, depth, "answer_logprob")
+                - _row_value(rows, "full", n, depth, "answer_logprob")
+                for n in LENGTHS
+            ]
+            got = trace.z[list(trace.y).index(shown)]
+            assert all(math.isclose(a, b) for a, b in zip(got, want, strict=True)), (label, shown)
+
+
+def test_cells_where_full_precision_missed_are_marked():
+    result = _result()
+    assert figures.full_missed_cells(result) == {(n, 90.0) for n in LENGTHS}
+    for fig in (figures.needle_heatmap_figure(result), figures.needle_difference_figure(result)):
+        for trace in fig.data:
+            for depth, texts in zip(trace.y, trace.text, strict=True):
+                marked = [figures.FULL_MISSED in t for t in texts]
+                assert marked == [depth == "90%"] * len(LENGTHS), (trace.name, depth, texts)
+
+
+def _headroom() -> dict:
+    cfg = memory.get_model_config("llama-3.1-70b")
+    gpu = memory.get_gpu("h100-80gb")
+    return memory.headroom(cfg, gpu, ["full", "fp8", "int8", "k8v4", "int4", "int2"], context=100_000, gpus=4)
+
+
+def test_long_chart_titles_wrap():
+    out = _headroom()
+    figs = [
+        figures.headroom_memory_figure(out),
+        figures.headroom_concurrency_figure(out),
+        figures.headroom_split_figure(out),
+        figures.headroom_stacking_figure(out),
+    ]
+    for fig in figs:
+        text = fig.layout.title.text
+        lines = text.split("<br>")
+        assert all(len(line) <= MAX_TITLE_CHARS for line in lines), text
+        assert fig.layout.margin.t >= 40 + 24 * len(lines), text  # room above the plot for every line
+    assert any("<br>" in fig.layout.title.text for fig in figs)  # these titles are long: they did wrap
