@@ -58,7 +58,7 @@ def duration(seconds: float) -> str:
 
 
 def hint(lm, task: str, tokens: int, what: str) -> str:
-    """ "about 12 s for <what> (from the last 2 runs here: 340 tokens/s)", or a stated guess before any run."""
+    """E.g. "About 12 s for <what> (from the last 2 runs here: 340 tokens/s).", or a stated guess before any run."""
     per_token, runs = rate(lm, task)
     seconds = per_token * max(tokens, 0)
     if runs:

@@ -49,9 +49,12 @@ class CacheSize:
     dtype: str  # the model's dtype, e.g. "float32"
 
     def text(self, fmt=mib) -> str:
-        """ "48.9 MiB live (float32) = 24.5 MiB at 16 bits" (the 16-bit part left out when it is the same)."""
-        same = round(self.live) == round(self.at16)
-        return f"{fmt(self.live)} live ({self.dtype})" + ("" if same else f" = {fmt(self.at16)} at 16 bits")
+        """E.g. "48.9 MiB live (float32) = 24.5 MiB at 16 bits", or one size when both are the same."""
+        if round(self.live) != round(self.at16):
+            return f"{fmt(self.live)} live ({self.dtype}) = {fmt(self.at16)} at 16 bits"
+        if self.dtype in ("float16", "bfloat16"):
+            return f"{fmt(self.live)} live ({self.dtype})"
+        return f"{fmt(self.live)} live (the same at 16 bits)"  # codes and 16-bit scales only
 
     def times_smaller(self, other: CacheSize) -> float:
         """How many times smaller than `other` this cache is, live bytes over live bytes."""
@@ -110,7 +113,7 @@ def prefilled(lm, spec: PrecisionSpec | str, tokens: int) -> CacheSize:
 
 
 def cache_caption(lm, precision: str, live_bytes: int, tokens: int) -> str:
-    """ "cache 48.9 MiB live (float32) = 24.5 MiB at 16 bits for 1,113 tokens": a chat answer's cache."""
+    """E.g. "cache 48.9 MiB live (float32) = 24.5 MiB at 16 bits for 1,113 tokens": a chat answer's cache."""
     return f"cache {of_cache(lm, precision, live_bytes, tokens).text()} for {tokens:,} tokens"
 
 
@@ -189,7 +192,7 @@ def models_that_fit(
     """Per reference model (smallest first): its Hugging Face id, weights at 16 bits, and per KV precision
     the longest context (tokens, up to the model's own) that fits in `memory_bytes` beside 16-bit weights
     and a 10% reserve, 0 where not even `context` tokens fit (`kvdemo.memory.headroom`, one sequence)."""
-    memory_gb = round(max(memory_bytes, 1) / GB, 1) or 0.1  # rounded: the answer is cached per size
+    memory_gb = float(max(round(memory_bytes / GB), 1))  # whole GB: free memory drifts, the answer is cached
     return [dict(r) for r in _fits(memory_gb, context, tuple(precisions))]
 
 

@@ -55,6 +55,7 @@ def test_sizes_name_the_dtype_and_the_16_bit_equivalent_and_ratios_are_live_over
     assert int4.times_smaller(full) == pytest.approx(full.live / int4.live)
     assert sizes.CacheSize(51_281_920, 25_640_960, "float32").text() == "48.9 MiB live (float32) = 24.5 MiB at 16 bits"
     assert sizes.CacheSize(2**20, 2**20, "bfloat16").text() == "1.0 MiB live (bfloat16)"
+    assert sizes.CacheSize(2**20, 2**20, "float32").text() == "1.0 MiB live (the same at 16 bits)"  # all coded
     half = sizes.per_token(_lm(torch.bfloat16), "full")
     assert half.live == half.at16 and "also the 16-bit sizes" in sizes.basis_note(
         SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"))
