@@ -4,8 +4,12 @@ Answers "why not just use transformers' ``cache_implementation="quantized"``?" w
 side by side in one run (`python -m kvdemo bench --json --out reports/`). Contenders:
 
 - ``full``: transformers' `DynamicCache` with SDPA attention (the honest baseline, model dtype);
-- ``kvdemo-int8``, ``kvdemo-k8v4``, ``kvdemo-int4``, ``kvdemo-int2``, ``kvdemo-fp8``: `QuantizedKVCache`
-  at those presets (kvdemo/precision.py), read by the "kvdemo" attention (kvdemo/attention.py);
+- ``kvdemo-int8``, ``kvdemo-k8v4``, ``kvdemo-k4v8``, ``kvdemo-int4``, ``kvdemo-int2``, ``kvdemo-fp8``:
+  `QuantizedKVCache` at those presets (kvdemo/precision.py), read by the "kvdemo" attention
+  (kvdemo/attention.py); k8v4 against k4v8 says end to end which half (keys or values) is sensitive;
+- ``kvdemo-int4:ktoken:g64``: transformers' own scheme (4-bit, keys and values per token in groups of 64
+  channels, residual 128) in kvdemo's implementation, so the gap to ``hf-quanto-int4`` splits into what
+  the scheme costs and what the implementation costs;
 - ``hf-quanto-int4`` / ``-int2`` and ``hf-hqq-int4`` / ``-int2``: transformers `QuantizedCache` with the
   optimum-quanto / HQQ backend at its defaults (group 64 along head_dim for keys and values, residual
   128; it dequantizes the whole cache at every step and re-quantizes all of it when the residual
@@ -19,15 +23,22 @@ Measured per contender (`BenchSizes` holds the sizes; `QUICK` is a tiny version 
   tokens are prefilled exactly (the same exact keys/values are stored into every contender's cache),
   then the rest is fed in chunks of `DECODE_MAX_QUERIES` (16) tokens, as decoding would, so every
   scored token attends over the *stored* (quantized) past; ``ppl[N]`` is the perplexity of the
-  tokens at positions [N/2, N), and ``ppl_delta[N]`` its difference from ``full``;
+  tokens at positions [N/2, N), and ``ppl_delta[N]`` its difference from ``full``; ``logit_kl[N]`` is
+  KL(full || contender) of the next-token distributions, averaged over every ``kl_every``-th of those
+  positions;
 - needle retrieval (kvdemo.needle's RULER-style multikey prompts in real prose): teacher-forced
-  log-probability of the answer on a small grid of prompt lengths x needle depths; the context is
-  stored exactly, the question arrives afterwards and attends over the stored cache (a document
-  cached before the user asks);
+  log-probability of the answer on a small grid of prompt lengths x needle depths; the context's exact
+  states are stored in two updates, its first floor(T / R) * R tokens and then the rest (R: the residual
+  length every contender shares), so every quantized contender holds the same tokens quantized and the
+  same last T mod R tokens exact; the question arrives afterwards and attends over the stored cache (a
+  document cached before the user asks);
 - prefill seconds at each context (runner.prefill, as the app prefills), and decode tokens/s at each
-  context: warm (after untimed warm-up steps), ``rounds`` short rounds interleaved across contenders,
-  reduced by medians (tok/s: median round; speed ratios: median of per-round ratios), so a burst of
-  load on a shared machine spoils a round or two, not the comparison;
+  context: warm (after untimed warm-up steps), ``rounds`` rounds of ``new_tokens`` steps interleaved
+  across contenders. ``new_tokens`` is a multiple of the shared residual length, so every round holds
+  each quantized contender's flushes (kvdemo quantizing its residual window, transformers re-quantizing
+  its whole cache) as steady decoding would; the flushes inside the window are counted and reported.
+  Reduced by medians (tok/s: median round; speed ratios: median of per-round ratios), so a burst of
+  load on a shared machine spoils a round, not the comparison;
 - ``setup_s``: the one-time cost of a contender's first call (first tiny run minus an identical second
   one), e.g. importing optimum-quanto and building its C++ extension, reported apart from the speeds.
 
@@ -38,6 +49,7 @@ HQQ (Badri & Shaji 2023), users' latency reports (transformers issue 34096).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -60,8 +72,11 @@ from .memory import fp16_cache_bytes
 from .models import LoadedModel
 from .precision import parse_precision
 
-KVDEMO_PRESETS = ("int8", "k8v4", "int4", "int2", "fp8")
+KVDEMO_PRESETS = ("int8", "k8v4", "k4v8", "int4", "int4:ktoken:g64", "int2", "fp8")
+QUICK_PRESETS = ("int4", "int4:ktoken:g64")
 HF_DEFAULTS = {"q_group_size": 64, "residual_length": 128, "axis_key": 0, "axis_value": 0}  # transformers' own
+KEY_VS_VALUE = ("kvdemo-k4v8", "kvdemo-k8v4")  # 4-bit keys (8-bit values) vs 4-bit values (8-bit keys)
+SAME_SCHEME = ("kvdemo-int4:ktoken:g64", "hf-quanto-int4")  # one scheme, two implementations
 SAME_BITS = (  # (kvdemo, transformers) pairs compared for the memory goal
     ("kvdemo-int4", "hf-quanto-int4"),
     ("kvdemo-int4", "hf-hqq-int4"),
@@ -83,9 +98,11 @@ class BenchSizes:
     ppl_prefix: int = 1024  # exactly prefilled tokens before scoring starts
     ppl_lengths: tuple[int, ...] = (2048, 4096)  # ppl[N]: tokens at positions [N/2, N)
     chunk: int = DECODE_MAX_QUERIES  # tokens per scoring forward (<= 16: kvdemo's decode path)
-    new_tokens: int = 8  # timed decode steps per round
+    residual: int = 128  # full-precision residual window of every quantized contender (transformers' default)
+    new_tokens: int = 128  # timed decode steps per round: a multiple of `residual`, so each round holds flushes
     warmup_steps: int = 2  # untimed decode steps before the first timed round
-    rounds: int = 12  # decode rounds, interleaved across contenders; medians count (see _report)
+    rounds: int = 2  # decode rounds, interleaved across contenders; medians count (see _report)
+    kl_every: int = 4  # logit KL vs full on every kl_every-th scored position of the held-out text
     needle_lengths: tuple[int, ...] = (1024, 4096)
     needle_depths: tuple[int, ...] = (10, 50, 90)  # percent of the haystack
     warmup_tokens: int = 160  # prompt of the set-up probe (more than one residual window)
@@ -96,8 +113,17 @@ class BenchSizes:
             raise BenchError(f"every ppl length must be at least 2 x ppl_prefix ({self.ppl_prefix})")
         if not 1 <= self.chunk <= DECODE_MAX_QUERIES:
             raise BenchError(f"chunk must be 1..{DECODE_MAX_QUERIES} (kvdemo's decode path), got {self.chunk}")
-        if min(self.new_tokens, self.rounds) < 1 or self.warmup_steps < 0:
-            raise BenchError("new_tokens and rounds must be >= 1, warmup_steps >= 0")
+        if min(self.new_tokens, self.rounds, self.kl_every) < 1 or self.warmup_steps < 0:
+            raise BenchError("new_tokens, rounds and kl_every must be >= 1, warmup_steps >= 0")
+        if self.residual < 64 or self.residual % 64:
+            raise BenchError(
+                f"residual must be a multiple of 64 (the ktoken:g64 contender's group), got {self.residual}"
+            )
+        if self.new_tokens % self.residual:
+            raise BenchError(
+                f"new_tokens ({self.new_tokens}) must be a multiple of residual ({self.residual}): "
+                "every timed round then holds the same number of flushes"
+            )
         if any(not 0 <= d <= 100 for d in self.needle_depths):
             raise BenchError("needle depths are percentages: 0..100")
 
@@ -109,17 +135,26 @@ class BenchSizes:
 
 
 FULL = BenchSizes()
-QUICK = BenchSizes(
+QUICK = BenchSizes(  # a residual of 64 (kvdemo int4 then uses g64) so one short round crosses a flush
     contexts=(256, 512),
     ppl_prefix=128,
     ppl_lengths=(256, 512),
-    new_tokens=8,
+    residual=64,
+    new_tokens=64,
     warmup_steps=1,
     rounds=1,
     needle_lengths=(512,),
     needle_depths=(50,),
     warmup_tokens=144,
 )
+
+ONE_K = BenchSizes(  # 1k context, perplexity at 2k, 3 needle cells: what a busy shared 2-core machine finishes
+    contexts=(1024,),
+    ppl_prefix=1024,
+    ppl_lengths=(2048,),
+    needle_lengths=(1024,),
+)
+SIZES = {"full": FULL, "1k": ONE_K, "quick": QUICK}
 
 
 @dataclass(frozen=True)
@@ -129,7 +164,8 @@ class Contender:
     name: str  # "full" | "kvdemo-int4" | "hf-quanto-int4" | ...
     backend: str  # "dynamic" | "kvdemo" | "quanto" | "hqq" | "fp8"
     bits: int | None = None  # nominal code bits; None: the model's dtype
-    precision: str = ""  # kvdemo preset
+    precision: str = ""  # kvdemo precision string, residual included (see `kvdemo_precision`)
+    residual: int = HF_DEFAULTS["residual_length"]  # transformers' residual_length (quanto, hqq)
 
     @property
     def attention(self) -> str:
@@ -148,7 +184,11 @@ class Contender:
             return DynamicCache(config=lm.config)
         if self.backend == "fp8":
             return QuantizedCache(backend="fp8", config=lm.config)
-        return QuantizedCache(backend=self.backend, config=lm.config, nbits=self.bits, **HF_DEFAULTS)
+        return QuantizedCache(backend=self.backend, config=lm.config, nbits=self.bits, **self.hf_options)
+
+    @property
+    def hf_options(self) -> dict:
+        return HF_DEFAULTS | {"residual_length": self.residual}
 
     def settings(self, lm: LoadedModel) -> dict:
         if self.backend == "kvdemo":
@@ -157,19 +197,35 @@ class Contender:
             return {"dtype": str(lm.dtype).replace("torch.", ""), "attention": "sdpa"}
         if self.backend == "fp8":
             return {"format": "float8_e4m3fn", "scale": "one per tensor, frozen after the first update"}
-        return {"nbits": self.bits, **HF_DEFAULTS, "metadata_dtype": str(lm.dtype).replace("torch.", "")}
+        return {"nbits": self.bits, **self.hf_options, "metadata_dtype": str(lm.dtype).replace("torch.", "")}
 
 
-def contenders(quick: bool = False) -> tuple[list[Contender], list[dict]]:
-    """(contenders that can run here, [{"contender", "reason"}] for those skipped)."""
+def kvdemo_precision(preset: str, residual: int) -> str:
+    """`preset` with a full-precision residual of `residual` tokens: the group shrinks to fit when it must
+    (the residual is a whole number of groups), e.g. ("int4", 64) -> "int4:g64:r64"."""
+    spec = parse_precision(preset)
+    if spec.residual != residual:
+        spec = dataclasses.replace(spec, residual=residual, group_size=min(spec.group_size, residual))
+    return spec.label
+
+
+def contenders(quick: bool = False, residual: int | None = None) -> tuple[list[Contender], list[dict]]:
+    """(contenders that can run here, [{"contender", "reason"}] for those skipped). Every quantized
+    contender keeps the same full-precision residual window: `residual` (default: QUICK's or FULL's)."""
     from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
+    residual = residual or (QUICK if quick else FULL).residual
+    presets = QUICK_PRESETS if quick else KVDEMO_PRESETS
     run = [Contender("full", "dynamic")]
-    run += [Contender(f"kvdemo-{p}", "kvdemo", parse_precision(p).key_bits, p) for p in KVDEMO_PRESETS]
-    hf = [Contender("hf-quanto-int4", "quanto", 4), Contender("hf-quanto-int2", "quanto", 2)]
-    hf += [Contender("hf-hqq-int4", "hqq", 4), Contender("hf-hqq-int2", "hqq", 2), Contender("hf-fp8", "fp8", 8)]
+    run += [
+        Contender(f"kvdemo-{p}", "kvdemo", parse_precision(p).key_bits, kvdemo_precision(p, residual), residual)
+        for p in presets
+    ]
+    hf = [Contender("hf-quanto-int4", "quanto", 4, residual=residual)]
+    hf += [Contender("hf-quanto-int2", "quanto", 2, residual=residual)]
+    hf += [Contender("hf-hqq-int4", "hqq", 4, residual=residual), Contender("hf-hqq-int2", "hqq", 2, residual=residual)]
+    hf += [Contender("hf-fp8", "fp8", 8)]
     if quick:
-        run = [c for c in run if c.name in ("full", "kvdemo-int4")]
         hf = [c for c in hf if c.name in ("hf-quanto-int4", "hf-fp8")]
     skipped = []
     for c in hf:
@@ -264,30 +320,64 @@ def exact_states(lm: LoadedModel, ids: Sequence[int]) -> tuple[list[tuple[torch.
     return [(layer.keys, layer.values) for layer in cache.layers], logits.float()
 
 
-def store_states(cache, states: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def store_states(cache, states: Sequence[tuple[torch.Tensor, torch.Tensor]], residual: int | None = None) -> None:
     """Append exact per-layer states to a fresh cache: what the model's own prefill forward does (each
-    attention layer calls `cache.update(k, v, layer_idx)`; a first prefill attends over the exact states)."""
-    for i, (k, v) in enumerate(states):
-        cache.update(k, v, i)
+    attention layer calls `cache.update(k, v, layer_idx)`; a first prefill attends over the exact states).
+
+    With `residual` R the T states go in as two updates, [0, T // R * R) then the rest: transformers'
+    QuantizedCache quantizes all of a first update and keeps a later short one exact, as kvdemo's residual
+    window keeps the last T mod R tokens, so every contender stores the same tokens quantized.
+    """
+    for i, (k, v) in enumerate(states):  # k, v: [1, Hkv, T, D]
+        split = k.shape[-2] // residual * residual if residual else 0
+        if 0 < split < k.shape[-2]:
+            cache.update(k[:, :, :split], v[:, :, :split], i)
+            cache.update(k[:, :, split:], v[:, :, split:], i)
+        else:
+            cache.update(k, v, i)
+
+
+def held_exact(cache) -> int | None:
+    """How much a cache holds outside its quantized store (kvdemo: residual bytes; transformers'
+    QuantizedCache: residual tokens of layer 0); it drops at a flush. None: a cache that never flushes."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.nbytes()["residual"]
+    layer = cache.layers[0]
+    if not hasattr(layer, "residual_length"):  # DynamicCache, the fp8 backend: appended as they come
+        return None
+    keys = getattr(layer, "keys", None)
+    return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
 
 
 @torch.no_grad()
 def token_nll(
-    lm: LoadedModel, cache, first_logits: torch.Tensor, ids: Sequence[int], start: int, chunk: int
-) -> torch.Tensor:
-    """Negative log-likelihood [len(ids) - start] of ids[start:], the cache holding ids[:start].
+    lm: LoadedModel, cache, first_logits: torch.Tensor, ids: Sequence[int], start: int, chunk: int, keep_every: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Negative log-likelihood [len(ids) - start] of ids[start:], the cache holding ids[:start], and the
+    log-softmax rows [ceil((len(ids) - start) / keep_every), V] of every `keep_every`-th prediction (None
+    when 0): what `logit_kl` compares.
 
     ids[start] is scored by `first_logits`; then ids[start:-1] are fed `chunk` at a time, so each
     prediction attends over what the cache stored.
     """
     ids = list(ids)
-    out = [F.cross_entropy(first_logits[None], torch.tensor([ids[start]], device=first_logits.device))[None]]
+    first = first_logits.float()[None]  # [1, V]: predicts ids[start]
+    nll = [F.cross_entropy(first, torch.tensor([ids[start]], device=first.device))[None]]
+    kept = [torch.log_softmax(first, -1)]  # scored index 0
     for s in range(start, len(ids) - 1, chunk):
         piece = ids[s : min(s + chunk, len(ids) - 1)]
-        logits = runner.forward(lm, piece, cache)  # [n, V]
+        logits = runner.forward(lm, piece, cache).float()  # [n, V]: row i predicts ids[s + 1 + i]
         targets = torch.tensor(ids[s + 1 : s + 1 + len(piece)], device=logits.device)  # [n]
-        out.append(F.cross_entropy(logits, targets, reduction="none"))
-    return torch.cat(out)
+        nll.append(F.cross_entropy(logits, targets, reduction="none"))
+        if keep_every:
+            rows = [i for i in range(len(piece)) if (s + 1 - start + i) % keep_every == 0]  # scored index % k
+            kept.append(torch.log_softmax(logits[rows], -1))
+    return torch.cat(nll), (torch.cat(kept) if keep_every else None)
+
+
+def logit_kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) [N] between rows of log-softmax [N, V] (nats)."""
+    return (reference.exp() * (reference - other)).sum(-1)
 
 
 @torch.no_grad()
@@ -297,6 +387,35 @@ def decode_steps(lm: LoadedModel, cache, logits: torch.Tensor, steps: int) -> tu
     for _ in range(steps):
         logits = runner.prefill(lm, [int(torch.argmax(logits))], cache)
     return time.perf_counter() - start, logits
+
+
+@dataclass
+class DecodeRound:
+    """One timed round of greedy decoding: per-step seconds and which steps flushed the cache."""
+
+    step_s: list[float]
+    flush_steps: list[int]  # indices into step_s of the steps at which the cache flushed its residual
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.step_s)
+
+
+@torch.no_grad()
+def decode_round(lm: LoadedModel, cache, logits: torch.Tensor, steps: int) -> tuple[DecodeRound, torch.Tensor]:
+    """Greedy decode `steps` tokens, each timed alone; a flush is a step after which the cache holds less
+    outside its quantized store than before (`held_exact`, read between the timed steps)."""
+    step_s, flushes = [], []
+    held = held_exact(cache)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        logits = runner.prefill(lm, [int(torch.argmax(logits))], cache)
+        step_s.append(time.perf_counter() - t0)
+        now = held_exact(cache)
+        if held is not None and now is not None and now < held:
+            flushes.append(i)
+        held = now
+    return DecodeRound(step_s, flushes), logits
 
 
 @torch.no_grad()
@@ -323,8 +442,10 @@ class _Row:
     cache_bytes: dict = field(default_factory=dict)
     cache_bytes_allocated: dict = field(default_factory=dict)
     prefill_s: dict = field(default_factory=dict)
-    decode_rounds: dict = field(default_factory=dict)
+    decode_rounds: dict = field(default_factory=dict)  # ctx -> [tok/s per round]
+    decode_steps: dict = field(default_factory=dict)  # ctx -> [DecodeRound]
     ppl: dict = field(default_factory=dict)
+    logit_kl: dict = field(default_factory=dict)
     needle: list = field(default_factory=list)
     first_call_s: float = 0.0
     second_call_s: float = 0.0
@@ -345,7 +466,7 @@ def run_bench(
     sizes = sizes or (QUICK if quick else FULL)
     if sizes.longest() > lm.max_context:
         raise BenchError(f"the bench needs {sizes.longest()} positions; the model's context is {lm.max_context}")
-    run, skipped = contenders(quick)
+    run, skipped = contenders(quick, sizes.residual)
     if only is not None:
         unknown = set(only) - {c.name for c in run} - {s["contender"] for s in skipped}
         if unknown:
@@ -398,27 +519,35 @@ def run_bench(
                 progress(f"decode {ctx} round {r + 1}/{sizes.rounds}: {c.name}")
                 cache, logits = live[c.name]
                 with attention(lm, c.attention):
-                    seconds, logits = decode_steps(lm, cache, logits, sizes.new_tokens)
+                    timed, logits = decode_round(lm, cache, logits, sizes.new_tokens)
                 live[c.name] = (cache, logits)
-                row.decode_rounds.setdefault(str(ctx), []).append(sizes.new_tokens / seconds)
+                row.decode_rounds.setdefault(str(ctx), []).append(sizes.new_tokens / timed.seconds)
+                row.decode_steps.setdefault(str(ctx), []).append(timed)
         del live
 
-    # 3. perplexity of held-out text: an exact prefix, the rest fed in chunks through each cache
+    # 3. perplexity of held-out text: an exact prefix, the rest fed in chunks through each cache; logit KL
+    # against full precision's next-token distributions (the first row: full)
     text = held_out_ids(lm, max(sizes.ppl_lengths))
     progress(f"perplexity: exact prefix of {sizes.ppl_prefix} tokens")
     states, first = exact_states(lm, text[: sizes.ppl_prefix])
+    reference = None  # log-softmax [n_kept, V] of full precision
     for row in rows.values():
         c = row.contender
         progress(f"perplexity {sizes.ppl_prefix}..{len(text)}: {c.name}")
         with attention(lm, c.attention):
             cache = c.make_cache(lm)
-            store_states(cache, states)
-            nll = token_nll(lm, cache, first, text, sizes.ppl_prefix, sizes.chunk)  # [len(text) - prefix]
+            store_states(cache, states, sizes.residual)
+            nll, kept = token_nll(lm, cache, first, text, sizes.ppl_prefix, sizes.chunk, sizes.kl_every)
+        if c.name == "full":
+            reference = kept
+        kl = logit_kl(reference, kept) if reference is not None else None  # [n_kept]
         for n in sizes.ppl_lengths:
-            part = nll[n // 2 - sizes.ppl_prefix : n - sizes.ppl_prefix]
-            row.ppl[str(n)] = math.exp(float(part.mean()))
-        del cache
-    del states
+            lo, hi = n // 2 - sizes.ppl_prefix, n - sizes.ppl_prefix  # scored indices of positions [N/2, N)
+            row.ppl[str(n)] = math.exp(float(nll[lo:hi].mean()))
+            if kl is not None:
+                row.logit_kl[str(n)] = float(kl[-(-lo // sizes.kl_every) : -(-hi // sizes.kl_every)].mean())
+        del cache, kept
+    del states, reference
 
     # 4. needle grid (kvdemo.needle's prompts): the context stored exactly, the question through each cache
     from .needle import build_prompt, cell_rng, default_haystack, make_task
@@ -435,7 +564,7 @@ def run_bench(
                 c = row.contender
                 with attention(lm, c.attention):
                     cache = c.make_cache(lm)
-                    store_states(cache, states)
+                    store_states(cache, states, sizes.residual)
                     score = answer_score(lm, cache, suffix, prompt.answer_ids)
                 row.needle.append({"length": length, "depth": depth, "depth_actual": prompt.depth_actual, **score})
                 del cache
@@ -476,11 +605,13 @@ def _report(lm, sizes: BenchSizes, quick: bool, machine: dict, rows: dict, skipp
             "ppl": {k: round(v, 4) for k, v in row.ppl.items()},
             "ppl_delta": {},
             "ppl_delta_pct": {},
+            "logit_kl": {k: float(f"{v:.4g}") for k, v in row.logit_kl.items()},
             "needle": _needle_summary(row.needle),
             "needle_logprob_delta": None,
             "decode_tok_s": speed,
             "decode_tok_s_rounds": {k: [round(x, 3) for x in v] for k, v in row.decode_rounds.items()},
             "decode_speed_vs_full": {},
+            "decode_window": {k: _window_summary(v) for k, v in row.decode_steps.items()},
             "prefill_s": {k: round(v, 3) for k, v in row.prefill_s.items()},
             "setup_s": round(max(row.first_call_s - row.second_call_s, 0.0), 3),
             "first_call_s": round(row.first_call_s, 3),
@@ -495,10 +626,18 @@ def _report(lm, sizes: BenchSizes, quick: bool, machine: dict, rows: dict, skipp
                 out["decode_speed_vs_full"][k] = round(paired_ratio(v, base.decode_rounds[k]), 3)
         results.append(out)
     machine = machine | {"load_avg_end": [round(x, 2) for x in os.getloadavg()]}
+    busy = max(machine["load_avg_start"][0], machine["load_avg_end"][0])
+    if busy > 0.5 * (machine["cores"] or 1):
+        machine["notes"] = (
+            f"Other processes shared the CPU during this run (load average {busy} on {machine['cores']} cores): "
+            "absolute tok/s and seconds are lower and noisier than on an idle machine; speed ratios come from "
+            "rounds measured side by side."
+        )
     report = {
         "machine": machine,
         "model": lm.name,
         "quick": quick,
+        "sizes_name": next((name for name, v in SIZES.items() if v == sizes), "custom"),
         "sizes": asdict(sizes),
         "method": method_text(sizes),
         "results": results,
@@ -506,7 +645,84 @@ def _report(lm, sizes: BenchSizes, quick: bool, machine: dict, rows: dict, skipp
         "wall_s": round(wall_s, 1),
     }
     report["goals"] = goals(report)
+    report["key_vs_value"] = key_vs_value(report)
+    report["scheme_vs_implementation"] = scheme_vs_implementation(report)
     return report
+
+
+def _window_summary(rounds: list[DecodeRound]) -> dict:
+    """Flushes and step times of a contender's timed decode window at one context."""
+    steps = [t for r in rounds for t in r.step_s]
+    flush = [r.step_s[i] for r in rounds for i in r.flush_steps]
+    flush_set = [{*r.flush_steps} for r in rounds]
+    plain = [t for r, f in zip(rounds, flush_set, strict=True) for i, t in enumerate(r.step_s) if i not in f]
+    return {
+        "steps": len(steps),
+        "flushes": len(flush),
+        "flushes_per_round": [len(r.flush_steps) for r in rounds],
+        "median_step_ms": round(1000 * statistics.median(plain or steps), 3),
+        "mean_flush_step_ms": round(1000 * sum(flush) / len(flush), 3) if flush else None,
+        "seconds": round(sum(steps), 3),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    """a / b where both have the same sign and b is not zero (a ratio of two damages), else None."""
+    if a is None or b is None or b == 0 or (a > 0) != (b > 0):
+        return None
+    return round(a / b, 2)
+
+
+def key_vs_value(report: dict) -> dict | None:
+    """4-bit keys (k4v8) against 4-bit values (k8v4), end to end: each damage measure of both and their ratio
+    (how many times more quantizing keys to 4 bits costs than quantizing values to 4 bits)."""
+    rows = {r["contender"]: r for r in report["results"]}
+    keys, values = (rows.get(n) for n in KEY_VS_VALUE)
+    if keys is None or values is None:
+        return None
+    measures = {}
+    for n in keys["ppl_delta"]:
+        measures[f"ppl_delta@{n}"] = (keys["ppl_delta"][n], values["ppl_delta"][n])
+    for n in keys["logit_kl"]:
+        measures[f"logit_kl@{n}"] = (keys["logit_kl"][n], values["logit_kl"][n])
+    if keys["needle_logprob_delta"] is not None:
+        loss = (-keys["needle_logprob_delta"], -values["needle_logprob_delta"])  # nats of answer log-prob lost
+        measures["needle_logprob_loss"] = loss
+    return {
+        "contenders": {"keys_4bit": KEY_VS_VALUE[0], "values_4bit": KEY_VS_VALUE[1]},
+        "measures": {m: {"keys_4bit": a, "values_4bit": b, "ratio": _ratio(a, b)} for m, (a, b) in measures.items()},
+    }
+
+
+def scheme_vs_implementation(report: dict) -> dict | None:
+    """transformers' scheme in kvdemo (int4:ktoken:g64) vs in transformers+quanto (hf-quanto-int4): the
+    implementation's share of the gap; vs kvdemo's own scheme (kvdemo-int4): the scheme's share."""
+    rows = {r["contender"]: r for r in report["results"]}
+    ours_scheme, theirs = (rows.get(n) for n in SAME_SCHEME)
+    ours = rows.get("kvdemo-int4")
+    if ours_scheme is None:
+        return None
+    big_ppl = str(max(report["sizes"]["ppl_lengths"]))
+    big_ctx = str(max(report["sizes"]["contexts"]))
+
+    def facts(r: dict) -> dict:
+        return {
+            "ppl_delta": r["ppl_delta"].get(big_ppl),
+            "logit_kl": r["logit_kl"].get(big_ppl),
+            "needle_logprob": r["needle"]["mean_logprob"],
+            "ratio_vs_fp16": r["ratio_vs_fp16"][big_ctx],
+            "decode_tok_s": r["decode_tok_s"][big_ctx],
+        }
+
+    out = {"at": {"ppl_tokens": int(big_ppl), "context": int(big_ctx)}, SAME_SCHEME[0]: facts(ours_scheme)}
+    for name, other in ((SAME_SCHEME[1], theirs), ("kvdemo-int4", ours)):
+        if other is None:
+            continue
+        out[name] = facts(other)
+        out[f"decode speed {SAME_SCHEME[0]} / {name}"] = round(
+            paired_ratio(ours_scheme["decode_tok_s_rounds"][big_ctx], other["decode_tok_s_rounds"][big_ctx]), 3
+        )
+    return out
 
 
 def paired_ratio(mine: Sequence[float], theirs: Sequence[float]) -> float:
@@ -531,14 +747,24 @@ def method_text(sizes: BenchSizes) -> dict:
     return {
         "cache_bytes": "bytes of the tensors each cache holds right after prefilling N tokens of prose; "
         "ratio = 16-bit cache of N tokens / those bytes",
+        "residual": f"every quantized contender keeps the newest tokens in full precision until {sizes.residual} "
+        "have collected (kvdemo's residual window; transformers' residual_length), then flushes: kvdemo quantizes "
+        "its whole blocks, transformers' QuantizedCache re-quantizes its whole cache",
         "ppl": f"held-out text: first {sizes.ppl_prefix} tokens stored exactly, the rest fed {sizes.chunk} tokens "
         "at a time through the cache; ppl[N] = exp(mean NLL) of the tokens at positions [N/2, N)",
-        "needle": f"kvdemo.needle {NEEDLE_KIND} prompts (chat template, real prose, needle at a depth): the context "
-        "up to the question stored exactly, the question and answer prefix then attend over the stored cache; "
-        "summed teacher-forced log-prob of the answer (nats); found = greedy decoding would produce it",
+        "logit_kl": f"KL(full || contender) in nats of the next-token distributions at every {sizes.kl_every}th "
+        "of the positions [N/2, N) of the same held-out run, averaged",
+        "needle": f"kvdemo.needle {NEEDLE_KIND} prompts (chat template, real prose, needle at a depth): the exact "
+        f"states of the T-token context up to the question stored in two updates, [0, T // {sizes.residual} * "
+        f"{sizes.residual}) then the rest, so every quantized contender holds the same tokens quantized and the "
+        f"last T mod {sizes.residual} exact (transformers quantizes all of a first update, kvdemo's residual keeps "
+        "the partial block); the question and answer prefix then attend over the stored cache; summed "
+        "teacher-forced log-prob of the answer (nats); found = greedy decoding would produce it",
         "decode_tok_s": f"after prefilling N tokens and {sizes.warmup_steps} untimed steps: {sizes.new_tokens} greedy "
-        f"steps per round, {sizes.rounds} rounds interleaved across contenders; tok/s = median over rounds, "
-        "speed ratios = median of the per-round ratios (round r of one contender / round r of the other)",
+        f"steps per round ({sizes.new_tokens // sizes.residual} residual length(s): every round holds each quantized "
+        f"contender's flushes, counted in decode_window), {sizes.rounds} rounds interleaved across contenders; "
+        "tok/s = median over rounds, speed ratios = median of the per-round ratios (round r of one contender / "
+        "round r of the other)",
         "prefill_s": "runner.prefill of N tokens (chunks of 2048), into a fresh cache",
         "setup_s": f"first call minus an identical second call (cache construction, a {sizes.warmup_tokens}-token "
         "prefill and 2 decode steps): imports, extension builds, first-use allocations",
@@ -567,7 +793,8 @@ def goals(report: dict) -> list[dict]:
         measured = {"kvdemo-int4": a["decode_tok_s"][big_ctx], "hf-quanto-int4": b["decode_tok_s"][big_ctx]}
         out.append(
             {
-                "goal": f"kvdemo int4 decode >= 1.2x quanto int4's tokens/s at {big_ctx} context (warm)",
+                "goal": f"kvdemo int4 decode >= 1.2x quanto int4's tokens/s at {big_ctx} context (warm, "
+                "a window that crosses both caches' flushes)",
                 "met": speed >= 1.2,
                 "measured": measured | {"speedup": round(speed, 3), "hf-quanto-int4 setup_s": b["setup_s"]},
             }
@@ -626,9 +853,14 @@ def markdown_table(report: dict) -> str:
     ctx, ppl = [str(c) for c in s["contexts"]], [str(n) for n in s["ppl_lengths"]]
     head = ["contender"]
     head += [f"ratio vs fp16 @{c}" for c in ctx]
+    # reports written before logit KL and the flush-crossing decode window existed have neither column
+    has_kl = any(r.get("logit_kl") for r in report["results"])
+    has_window = any(r.get("decode_window") for r in report["results"])
     head += [f"ppl @{n} (delta)" for n in ppl]
+    head += [f"logit KL @{ppl[-1]}"] if has_kl else []
     head += [f"allocated ratio @{ctx[-1]}", "needle log-prob (found)"]
     head += [f"decode tok/s @{c}" for c in ctx]
+    head += [f"flushes @{ctx[-1]}", f"step ms (flush step) @{ctx[-1]}"] if has_window else []
     head += [f"prefill s @{c}" for c in ctx]
     head += ["setup s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -638,10 +870,19 @@ def markdown_table(report: dict) -> str:
         for n in ppl:
             delta = r["ppl_delta"].get(n)
             cells.append(f"{r['ppl'][n]:.3f}" + ("" if delta is None else f" ({delta:+.3f})"))
+        if has_kl:
+            kl = r["logit_kl"].get(ppl[-1])
+            cells.append("" if kl is None else f"{kl:.2e}")
         cells.append(f"{r['ratio_allocated_vs_fp16'][ctx[-1]]:.2f}x")
         nd = r["needle"]
         cells.append(f"{nd['mean_logprob']:.2f} ({nd['found']}/{nd['total']})")
         cells += [f"{r['decode_tok_s'][c]:.2f}" for c in ctx]
+        win = r.get("decode_window", {}).get(ctx[-1])
+        if has_window and win is None:
+            cells += ["", ""]
+        elif has_window:
+            flush_ms = "" if win["mean_flush_step_ms"] is None else f" ({win['mean_flush_step_ms']:.0f})"
+            cells += [f"{win['flushes']} in {win['steps']} steps", f"{win['median_step_ms']:.1f}{flush_ms}"]
         cells += [f"{r['prefill_s'][c]:.2f}" for c in ctx]
         cells.append(f"{r['setup_s']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -651,7 +892,7 @@ def markdown_table(report: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['device']} {m['dtype']}, "
         f"torch {m['torch']}, transformers {m['transformers']}, optimum-quanto {m['optimum-quanto']}, hqq {m['hqq']}; "
         f"{m['date']}; load average {m['load_avg_start'][0]} at start, {m['load_avg_end'][0]} at end; "
-        f"wall time {report['wall_s']:.0f} s."
+        f"wall time {report['wall_s']:.0f} s." + (f" {m['notes']}" if m.get("notes") else "")
     )
     for sk in report["skipped"]:
         lines.append(f"Skipped `{sk['contender']}`: {sk['reason']}.")
@@ -659,6 +900,16 @@ def markdown_table(report: dict) -> str:
     for g in report["goals"]:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[g["met"]]
         lines.append(f"- {g['goal']}: **{verdict}** {json.dumps(g['measured'])}")
+    kv = report.get("key_vs_value")
+    if kv:
+        lines += ["", f"Keys vs values (`{KEY_VS_VALUE[0]}`: 4-bit keys / `{KEY_VS_VALUE[1]}`: 4-bit values):", ""]
+        lines += ["| measure | 4-bit keys | 4-bit values | ratio |", "|---|---|---|---|"]
+        for name, m in kv["measures"].items():
+            ratio = "n/a" if m["ratio"] is None else f"{m['ratio']:.1f}x"
+            lines.append(f"| {name} | {m['keys_4bit']:.4g} | {m['values_4bit']:.4g} | {ratio} |")
+    sv = report.get("scheme_vs_implementation")
+    if sv:
+        lines += ["", f"Scheme vs implementation: {json.dumps(sv)}"]
     return "\n".join(lines) + "\n"
 
 

@@ -90,11 +90,74 @@ def test_sizes_and_contenders_are_validated():
         bench.BenchSizes(ppl_prefix=2048, ppl_lengths=(2048,))
     with pytest.raises(ValueError, match="chunk"):
         bench.BenchSizes(chunk=64)
+    with pytest.raises(ValueError, match="multiple of residual"):
+        bench.BenchSizes(new_tokens=100)  # a round that holds a flush in one contender and not in another
     run, skipped = bench.contenders(quick=False)
     names = [c.name for c in run] + [s["contender"] for s in skipped]
-    assert names[:6] == ["full", "kvdemo-int8", "kvdemo-k8v4", "kvdemo-int4", "kvdemo-int2", "kvdemo-fp8"]
+    assert names[:8] == [
+        "full",
+        "kvdemo-int8",
+        "kvdemo-k8v4",
+        "kvdemo-k4v8",
+        "kvdemo-int4",
+        "kvdemo-int4:ktoken:g64",
+        "kvdemo-int2",
+        "kvdemo-fp8",
+    ]
     assert {"hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-fp8"} <= set(names)
     assert all(s["reason"] for s in skipped)
+    for sizes in bench.SIZES.values():  # the timed decode window crosses every quantized contender's flush
+        assert sizes.new_tokens * sizes.rounds >= sizes.residual and sizes.new_tokens % sizes.residual == 0
+    assert bench.FULL.new_tokens * bench.FULL.rounds >= 2 * bench.FULL.residual
+
+
+def test_every_quantized_contender_shares_the_residual():
+    from kvdemo.precision import parse_precision
+
+    assert bench.kvdemo_precision("int4", 128) == "int4"
+    assert bench.kvdemo_precision("int4", 64) == "int4:g64:r64"  # the group shrinks to fit the residual
+    scheme = parse_precision(bench.kvdemo_precision("int4:ktoken:g64", 128))
+    assert (scheme.key_axis, scheme.group_size, scheme.residual, scheme.key_bits) == ("token", 64, 128, 4)
+    for quick, residual in ((False, 128), (True, bench.QUICK.residual)):
+        run, skipped = bench.contenders(quick=quick)
+        every = run + [c for c in bench.contenders(quick=quick)[0] if c.name in {s["contender"] for s in skipped}]
+        for c in every:
+            if c.backend == "kvdemo":
+                assert parse_precision(c.precision).residual == residual, c.name
+            elif c.backend in ("quanto", "hqq"):
+                assert c.hf_options["residual_length"] == residual and c.hf_options["q_group_size"] == 64
+        assert "kvdemo-int4:ktoken:g64" in [c.name for c in run]
+
+
+@pytest.mark.skipif(not is_hqq_available(), reason="hqq not installed")
+def test_stored_prompt_keeps_the_same_tail_exact_in_every_cache():
+    """Needle fairness: 200 stored tokens with residual 128 leave tokens [128, 200) exact in kvdemo's cache
+    and in transformers' (which would quantize all 200 if they came in one update)."""
+    from kvdemo.cache import QuantizedKVCache
+
+    states = [_toy_states(layer, tokens=200) for layer in range(2)]
+    theirs = QuantizedCache(backend="hqq", config=_toy_config(), nbits=4)
+    bench.store_states(theirs, states, residual=128)
+    assert bench.held_exact(theirs) == 72
+    assert theirs.layers[0]._quantized_keys[1]["shape"][-2] == 128  # the quantized part: tokens [0, 128)
+    ours = QuantizedKVCache("int4", 2)
+    bench.store_states(ours, states, residual=128)
+    assert ours.layers[0].length == 200
+    assert bench.held_exact(ours) == 2 * 2 * B * H * 72 * D * 4  # layers x (K, V) x 72 exact fp32 tokens
+    one_update = QuantizedCache(backend="hqq", config=_toy_config(), nbits=4)
+    bench.store_states(one_update, states)
+    assert bench.held_exact(one_update) == 0
+    assert bench.held_exact(DynamicCache(config=_toy_config())) is None
+
+
+def test_logit_kl_is_zero_for_equal_rows_and_positive_otherwise():
+    g = torch.Generator().manual_seed(0)
+    a = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
+    b = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
+    assert torch.allclose(bench.logit_kl(a, a), torch.zeros(5), atol=1e-6)
+    kl = bench.logit_kl(a, b)
+    assert (kl > 0).all()
+    assert kl[0] == pytest.approx(float((a[0].exp() * (a[0] - b[0])).sum()), rel=1e-6)
 
 
 def _synthetic(ppl_ours, ppl_theirs, speed_ours, speed_theirs, ratio_ours, ratio_theirs) -> dict:
@@ -125,6 +188,25 @@ def test_goals_are_judged_from_the_numbers():
     assert missed[1]["measured"]["speedup"] == round(5.0 / 4.9, 3)
     alone = bench.goals({"sizes": {"ppl_lengths": [4096], "contexts": [4096]}, "results": []})
     assert [g["met"] for g in alone] == [None, None, None]
+
+
+def test_key_vs_value_ratios():
+    def row(name, ppl_delta, kl, needle_delta):
+        return {
+            "contender": name,
+            "ppl_delta": {"4096": ppl_delta},
+            "logit_kl": {"4096": kl},
+            "needle_logprob_delta": needle_delta,
+        }
+
+    report = {"results": [row("kvdemo-k4v8", 0.3, 6e-3, -0.4), row("kvdemo-k8v4", 0.05, 2e-3, -0.1)]}
+    m = bench.key_vs_value(report)["measures"]
+    assert m["ppl_delta@4096"] == {"keys_4bit": 0.3, "values_4bit": 0.05, "ratio": 6.0}
+    assert m["logit_kl@4096"]["ratio"] == 3.0
+    assert m["needle_logprob_loss"] == {"keys_4bit": 0.4, "values_4bit": 0.1, "ratio": 4.0}
+    report["results"][1]["ppl_delta"]["4096"] = -0.01  # values' damage below noise: no ratio, not a sign flip
+    assert bench.key_vs_value(report)["measures"]["ppl_delta@4096"]["ratio"] is None
+    assert bench.key_vs_value({"results": report["results"][:1]}) is None
 
 
 # --- with the model ------------------------------------------------------------------------------
@@ -174,10 +256,31 @@ def test_quick_bench_report_shape_and_files(quick_report):
     names = [r["contender"] for r in report["results"]]
     assert names[:2] == ["full", "kvdemo-int4"] and "hf-fp8" in names
     assert "hf-quanto-int4" in names or any(s["contender"] == "hf-quanto-int4" for s in report["skipped"])
+    assert "kvdemo-int4:ktoken:g64" in names
     md = (out / "bench.md").read_text()
     assert all(f"`{n}`" in md for n in names)
     assert "plotly" in (out / "bench.html").read_text()
     assert len(report["goals"]) == 3
+    assert report["scheme_vs_implementation"]["kvdemo-int4"]["ratio_vs_fp16"] > 1
+
+
+@pytest.mark.model
+def test_quick_decode_window_crosses_every_flush(quick_report):
+    """Each timed round holds new_tokens / residual flushes of every quantized contender (kvdemo's and
+    transformers' alike); the caches that never flush (DynamicCache, the fp8 backend) report none."""
+    report, _, _ = quick_report
+    s = report["sizes"]
+    per_round = s["new_tokens"] // s["residual"]
+    assert per_round >= 1
+    for r in report["results"]:
+        for c in map(str, s["contexts"]):
+            win = r["decode_window"][c]
+            assert win["steps"] == s["rounds"] * s["new_tokens"]
+            if r["backend"] in ("dynamic", "fp8"):
+                assert win["flushes"] == 0 and win["mean_flush_step_ms"] is None, r["contender"]
+            else:
+                assert win["flushes_per_round"] == [per_round] * s["rounds"], r["contender"]
+                assert win["mean_flush_step_ms"] > 0
 
 
 @pytest.mark.model
@@ -200,6 +303,7 @@ def test_quick_bench_values_are_sane(quick_report, lm):
         for n in lengths:
             assert math.isfinite(r["ppl"][n]) and 1 < r["ppl"][n] < 1000
             assert r["ppl_delta"][n] == pytest.approx(r["ppl"][n] - full["ppl"][n], abs=2e-4)
+            assert r["logit_kl"][n] >= 0 if name != "full" else r["logit_kl"][n] == 0
         assert r["needle"]["total"] == len(sizes["needle_lengths"]) * len(sizes["needle_depths"])
         assert all(cell["logprob"] <= 0 for cell in r["needle"]["cells"])
         assert r["setup_s"] >= 0

@@ -140,8 +140,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-bits", type=int, default=16, choices=[16, 8, 4])
     p.add_argument("--reserve-gb", type=float, default=None, help="memory kept free (activations, runtime)")
     p.add_argument("--precision", default="full,fp8,int8,k8v4,int4,int2")
+    p.add_argument("--measure", action="store_true", help="admit real caches into --budget-gb and count them")
+    p.add_argument("--budget-gb", type=float, default=None, help="with --measure: the memory budget (GB)")
+    p.add_argument(
+        "--measure-model",
+        default="random",
+        help="with --measure: random (small Llama-style), random:<config>, embedded, a hub id or a folder",
+    )
+    p.add_argument("--batch-sizes", default="1,2,4,8", help="with --measure: decode tokens/s at these batch sizes")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_lazy("memory", "run_headroom_cli"), text=_lazy("memory", "format_headroom"))
+
+    p = sub.add_parser("scale", help="prefill long prompts at each precision and measure peak memory and time")
+    p.add_argument("--tokens", default="16384,32768,65536", help="prompt lengths")
+    p.add_argument("--precision", default="full,int4")
+    p.add_argument(
+        "--model",
+        default="random",
+        help="random (small Llama-style, random weights), random:<config>, embedded, a hub id or a folder",
+    )
+    p.add_argument("--mode", default="chunked", choices=["chunked", "exact"], help="prefill mode")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--out", default="", help="also write scale.json into this folder")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_lazy("scale", "run_cli"), text=_lazy("scale", "format_text"))
 
     p = sub.add_parser("extract", help="text of a txt/md/pdf/docx/html file, as the app reads it")
     p.add_argument("file")
@@ -151,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="kvdemo vs transformers' QuantizedCache, measured in one run")
     _model_args(p)
     p.add_argument("--out", default="reports")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (tests); the same as --sizes quick")
+    p.add_argument("--sizes", default="full", choices=["full", "1k", "quick"], help="kvdemo.bench.SIZES")
+    p.add_argument("--only", default="", help="comma-separated contenders (default: every one available)")
     p.set_defaults(func=_lazy("bench", "run_cli"), text=_lazy("bench", "format_text"))
     return parser
 
