@@ -1,17 +1,20 @@
 """Chat: a document plus a conversation, each turn answered at full precision and at the chosen KV
-precision in two columns, both streaming, the first diverging token highlighted. The work is
-`kvdemo.chat.ChatSession` (kept in this session's state, so its caches are reused across turns)."""
+precision in two columns that stream together (one token per lane in turn), the first diverging token
+highlighted. The work is `kvdemo.chat.ChatSession` (kept in this session's state, so its caches are
+reused across turns)."""
 
 import html
 
 import streamlit as st
 
 from app_pages import common
-from kvdemo.chat import Answer, ChatError, ChatSession, Turn, divergence_split
+from kvdemo.chat import ChatError, ChatSession, Turn, divergence_split
+from kvdemo.lanes import Answer
 from kvdemo.runner import Cancelled
 from kvdemo.sizes import cache_caption
 
 STOPPING_WAIT_S = 60  # a stopped answer ends at its next token (a prefill chunk at the most)
+DEFAULT_CAP = 256  # tokens per answer at the most; answers usually end earlier, at the model's end of turn
 
 lm = common.model()
 spec = common.spec()
@@ -27,8 +30,10 @@ if session is not None and not session.wait_idle(timeout=0.05):
         if not session.wait_idle(timeout=STOPPING_WAIT_S):
             st.warning("The previous answer is still stopping: reload the page in a few seconds.")
             st.stop()
-with st.expander("Document", expanded=session is None or not session.turns):
-    doc = common.document_picker(lm, key="doc")
+asked = len(session.turns) if session is not None and session.lm is lm else 0
+replacing_ends = f"the conversation ({asked} question{'s' if asked > 1 else ''})" if asked else ""
+with st.expander("Document", expanded=True):  # constant: a changing value would re-collapse it on a rerun
+    doc = common.document_picker(lm, key="doc", replacing_ends=replacing_ends)
 doc_text = doc["text"] if doc else ""
 
 if session is None or session.lm is not lm:
@@ -39,13 +44,19 @@ if session is None or session.lm is not lm:
 else:
     if session.document != doc_text.strip():
         if session.turns:
-            st.info("New document: a new conversation starts.")
+            st.info("Document replaced: a new conversation starts.")
         session.set_document(doc_text)
     session.set_precision(spec)
 
-common.persist("chat_max_new", 64)
+common.persist("chat_max_new", DEFAULT_CAP)
 c1, c2, c3 = st.columns([2, 1, 1], vertical_alignment="bottom")
-max_new = int(c1.number_input("New tokens per answer", 1, 1024, step=16, key="chat_max_new"))
+max_new = int(
+    c1.number_input(
+        "Longest answer (tokens)", 1, 2048, step=32, key="chat_max_new",
+        help="An answer ends at the model's end of turn. In the last quarter of this cap it ends at the first "
+        "sentence end; the cap cuts it mid-sentence only when no sentence ended there (the caption says so).",
+    )
+)  # fmt: skip
 read_now = c2.button("Read document now", key="chat_prepare", help="Prefill the document into both caches now")
 if c3.button("New chat", key="chat_reset"):
     session.reset()
@@ -57,6 +68,10 @@ def answer_caption(a: Answer) -> str:
         parts.append(f"{a.decode_tok_s:.1f} tok/s")
     if a.stopped in ("cancelled", "skipped"):
         parts.append("stopped")
+    elif a.stopped == "length":
+        parts.append(f"cut mid-sentence at the {a.cap:,}-token cap")
+    elif a.stopped == "sentence":
+        parts.append(f"ended at a sentence end near the {a.cap:,}-token cap")
     reused = a.prompt_tokens - a.fed_tokens
     parts.append(f"read {a.fed_tokens:,} new tokens" + (f", {reused:,} from the cache" if reused > 0 else ""))
     if a.cache_tokens:
@@ -119,14 +134,15 @@ if question:
     with st.chat_message("user"):
         st.markdown(question)
     boxes = [col.empty() for col in st.columns(len(session.labels))]
-    streamed = dict.fromkeys(session.labels, "")
     slots = dict(zip(session.labels, boxes, strict=True))
 
-    def on_token(label: str, token: int, piece: str) -> None:
+    def on_token(a: Answer, piece: str) -> None:
         status.empty()
         progress.empty()
-        streamed[label] += piece
-        slots[label].markdown(f"**{label}**\n\n{html.escape(streamed[label])} ▌", unsafe_allow_html=True)
+        speed = f" · {a.decode_tok_s:.1f} tok/s" if a.decode_tok_s else ""
+        cursor = "" if a.finished else " ▌"  # a finished column waits for the other without a cursor
+        head = f"**{a.precision}** · {len(a.tokens)} tokens{speed}"
+        slots[a.precision].markdown(f"{head}\n\n{html.escape(a.text)}{cursor}", unsafe_allow_html=True)
 
     try:
         turn = session.ask(question, max_new, on_token=on_token, on_progress=on_progress, on_wait=on_wait)

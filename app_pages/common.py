@@ -197,29 +197,69 @@ def _keep_persisted() -> None:
 
 
 # --- the current document -------------------------------------------------------------------------
+PENDING = "document_pending"  # a new document waiting for the user to confirm it replaces one in use
+EXACT_COUNT_CHARS = 200_000  # a cut document's original tokens are counted up to this length, estimated beyond
+
+
 def document() -> dict | None:
     """The session's current document: {name, text, tokens, truncated, warnings, source}, or None."""
     return st.session_state.get("document")
 
 
-def _set_document(name: str, text: str, lm: LoadedModel, budget: int, source: str, warnings: list[str]) -> None:
-    from kvdemo.documents import fit_to_context
+def _new_document(name: str, text: str, lm: LoadedModel, budget: int, source: str, warnings: list[str]) -> dict:
+    """The document as the app keeps it: `text` fitted to `budget` tokens, with the size of the original."""
+    from kvdemo.documents import count_tokens, fit_to_context
 
     fitted, tokens, cut = fit_to_context(text, lm.tokenizer, budget)
-    st.session_state["document"] = {
+    original, exact = tokens, True
+    if cut:  # counting a long text costs seconds on a CPU: beyond EXACT_COUNT_CHARS, scale the kept part
+        exact = len(text) <= EXACT_COUNT_CHARS or not fitted
+        original = count_tokens(text, lm.tokenizer) if exact else round(tokens * len(text) / len(fitted))
+    return {
         "name": name,
         "text": fitted,
         "tokens": tokens,
         "truncated": cut,
         "budget": budget,
+        "original_tokens": original,
+        "original_tokens_exact": exact,
+        "original_chars": len(text),
         "warnings": list(warnings),
         "source": source,
         "model": lm.name,
     }
 
 
-def document_picker(lm: LoadedModel, key: str = "doc") -> dict | None:
-    """Upload a txt/md/pdf/docx/html file or use the bundled sample; keeps the last good document on errors."""
+def _offer_document(doc: dict, replacing_ends: str) -> None:
+    """Make `doc` the current document, or hold it for confirmation when replacing would end something."""
+    if replacing_ends and document() is not None:
+        st.session_state[PENDING] = doc
+    else:
+        st.session_state.pop(PENDING, None)
+        st.session_state["document"] = doc
+
+
+def _replace_document() -> None:
+    st.session_state["document"] = st.session_state.pop(PENDING)
+
+
+def _keep_document(key: str) -> None:
+    """Drop the waiting document and put the picker back on the current one."""
+    declined = st.session_state.pop(PENDING)
+    current = document()
+    st.session_state[f"{key}_source"] = current["source"]
+    if current["source"] == "sample":
+        st.session_state[f"{key}_sample_tokens"] = current["budget"]
+    if declined["source"] == "upload":
+        st.session_state["doc_declined"] = declined["name"]
+
+
+def document_picker(lm: LoadedModel, key: str = "doc", replacing_ends: str = "") -> dict | None:
+    """Upload a txt/md/pdf/docx/html file or use the bundled sample; keeps the last good document on errors.
+
+    `replacing_ends` says what a new document would end (e.g. "the conversation (2 questions)"): when
+    it is set, a new document waits until the user confirms it replaces the current one.
+    """
     from kvdemo.documents import DocumentError, extract_bytes
 
     budget = max(lm.max_context - CHAT_RESERVE, 256)
@@ -230,46 +270,74 @@ def document_picker(lm: LoadedModel, key: str = "doc") -> dict | None:
         "Document", ["sample", "upload"], key=f"{key}_source", horizontal=True,
         format_func={"sample": "Bundled sample (Pride and Prejudice)", "upload": "Upload a file"}.get,
     )  # fmt: skip
-    current = document()
+    current, pending = document(), st.session_state.get(PENDING)
+    if pending is not None and (pending["source"] != source or not replacing_ends):
+        st.session_state.pop(PENDING)  # the picker moved on, or nothing would be lost any more
+        if pending["source"] == source:
+            st.session_state["document"] = current = pending
+        pending = None
     if source == "sample":
         n = st.number_input("Sample length (tokens)", 32, budget, step=64, key=f"{key}_sample_tokens")
         name = f"Pride and Prejudice (first {int(n):,} tokens)"
-        if current is None or current["source"] != "sample" or current["name"] != name or current["model"] != lm.name:
+        wanted = current is None or current["source"] != "sample" or current["name"] != name
+        if (wanted or current["model"] != lm.name) and (pending is None or pending["name"] != name):
             from kvdemo.texts import prose
 
-            _set_document(name, prose(), lm, int(n), "sample", [])
+            _offer_document(_new_document(name, prose(), lm, int(n), "sample", []), replacing_ends)
+        elif not wanted and pending is not None:
+            st.session_state.pop(PENDING)  # back to the current sample's length
     else:
         up = st.file_uploader("txt, md, pdf, docx or html", type=DOC_TYPES, key=f"{key}_upload")
         if up is not None and up.file_id != st.session_state.get("doc_upload_id"):
             st.session_state["doc_upload_id"] = up.file_id
-            st.session_state.pop("doc_error", None)
+            for stale in ("doc_error", "doc_declined"):
+                st.session_state.pop(stale, None)
             try:
                 parsed = extract_bytes(up.getvalue(), up.name)
                 if not parsed.text.strip():
                     raise DocumentError("no text found in the file")
-                _set_document(parsed.name, parsed.text, lm, budget, "upload", parsed.warnings)
+                doc = _new_document(parsed.name, parsed.text, lm, budget, "upload", parsed.warnings)
+                _offer_document(doc, replacing_ends)
             except DocumentError as err:
                 st.session_state["doc_error"] = f"{up.name}: {err}"
         if up is None:
-            st.session_state.pop("doc_upload_id", None)
-            st.session_state.pop("doc_error", None)
+            for stale in ("doc_upload_id", "doc_error", "doc_declined", PENDING):
+                st.session_state.pop(stale, None)
         if st.session_state.get("doc_error"):
             st.error(st.session_state["doc_error"] + (" (kept the previous document)" if document() else ""))
+        elif st.session_state.get("doc_declined") and current is not None:
+            st.caption(f"Kept {current['name']}: {st.session_state['doc_declined']} was not loaded.")
         elif up is None and current is not None:
             st.caption(f"No file uploaded yet: using {current['name']}.")
+    _ask_before_replacing(key, replacing_ends)
     doc = document()
     if doc is not None:
         _document_notes(doc, lm)
     return doc
 
 
+def _ask_before_replacing(key: str, replacing_ends: str) -> None:
+    pending, current = st.session_state.get(PENDING), document()
+    if pending is None:
+        return
+    with st.container(border=True, key=f"{key}_replace_box"):
+        st.warning(f"Replace **{current['name']}** with **{pending['name']}**? That ends {replacing_ends}.")
+        c1, c2 = st.columns(2)
+        c1.button("Replace: start a new conversation", key=f"{key}_replace", on_click=_replace_document)
+        c2.button(f"Keep {current['name']}", key=f"{key}_keep", on_click=_keep_document, args=(key,))
+
+
 def _document_notes(doc: dict, lm: LoadedModel) -> None:
     for w in doc["warnings"]:
         st.warning(w)
     if doc["truncated"] and doc["source"] == "upload":
+        about = "" if doc.get("original_tokens_exact", True) else "about "
+        original_tokens = doc.get("original_tokens", doc["tokens"])
+        original_chars = doc.get("original_chars", len(doc["text"]))
         st.warning(
-            f"The document is longer than fits: cut to its first {doc['tokens']:,} tokens (the model's context is "
-            f"{lm.max_context:,} tokens, {lm.max_context - doc['budget']:,} kept for the conversation)."
+            f"The document is longer than fits: kept its first {doc['tokens']:,} of {about}{original_tokens:,} "
+            f"tokens ({len(doc['text']):,} of {original_chars:,} characters). The model's context is "
+            f"{lm.max_context:,} tokens, {lm.max_context - doc['budget']:,} of them kept for the conversation."
         )
     st.caption(f"**{doc['name']}**: {doc['tokens']:,} tokens, {len(doc['text']):,} characters")
 

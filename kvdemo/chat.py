@@ -1,12 +1,14 @@
 """Chat over one document, answered at full precision and at a chosen KV precision, side by side.
 
-A `ChatSession` holds a document and a conversation. Each precision is a *lane*: its own
-`QuantizedKVCache`, the token ids that cache holds, and its own conversation (its own earlier
-answers, as a user of a server running that precision would see them). The document sits in the
-system message, so `prepare()` can prefill it before the first question; every later turn feeds only
-the new tokens: the chat-templated ids of the lane's conversation are compared with the ids in its
-cache, and when those are a prefix only the rest is prefilled (else the lane is re-prefilled from
-scratch). A follow-up question on a 6k-token document therefore costs a few dozen tokens, not 6k.
+A `ChatSession` holds a document, a conversation and two *lanes* (`kvdemo/lanes.py`), one per
+precision: each has its own `QuantizedKVCache`, the token ids that cache holds, and its own
+conversation (its own earlier answers, as a user of a server running that precision would see them).
+The document sits in the system message, so `prepare()` can prefill it before the first question;
+every later turn feeds only the new tokens: the chat-templated ids of the lane's conversation are
+compared with the ids in its cache, and when those are a prefix only the rest is prefilled (else the
+lane is re-prefilled from scratch). A follow-up question on a 6k-token document therefore costs a few
+dozen tokens, not 6k. Both lanes prefill, then decode one token each in turn, so both answers stream
+together, each timed on its own decode steps.
 
 Reliability (issue 7):
 - one generation at a time per loaded model: `model_lock()` holds `LoadedModel.lock`, polling with a
@@ -18,60 +20,42 @@ Reliability (issue 7):
   are freed and a `ChatError` suggests a shorter document or a lower precision; the chat is kept.
 
 No Streamlit here: the Chat page (app_pages/chat.py) and tests drive this module.
-References: KIVI (arXiv:2402.02750) for the residual/blocked cache the lanes use; vLLM's automatic
-prefix caching for the idea of reusing a prompt's cached prefix across requests.
 """
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
-from .cache import QuantizedKVCache
+from .lanes import (
+    Answer,
+    Decoding,
+    Lane,
+    ProgressCallback,
+    StopCallback,
+    TokenCallback,
+    decode_together,
+    free_memory,
+)
 from .models import LoadedModel
 from .precision import PRESETS, PrecisionSpec, parse_precision
-from .runner import PREFILL_CHUNK, Cancelled, chat_ids, first_divergence, generate, new_cache, prefill
+from .runner import PREFILL_CHUNK, Cancelled, chat_ids, first_divergence, stop_token_ids
 
 SYSTEM_PROMPT = "Answer the user's questions about the document below. Be brief and quote the document when you can."
 NO_DOCUMENT_PROMPT = "You are a helpful assistant. Be brief."
 LOCK_POLL_S = 0.25  # how often a waiting turn re-checks the lock, `should_stop` and calls `on_wait`
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 
-TokenCallback = Callable[[str, int, str], None]  # (precision label, token id, decoded piece)
-ProgressCallback = Callable[[str, int, int], None]  # (precision label, tokens prefilled, tokens to prefill)
 WaitCallback = Callable[[float], None]  # seconds waited so far for another user's generation
-StopCallback = Callable[[], bool]
 
 
 class ChatError(ValueError):
     """A chat turn that cannot run (empty question, context full, out of memory), one line for a user."""
-
-
-@dataclass
-class Answer:
-    """One precision's answer to one question."""
-
-    precision: str
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    stopped: str = "skipped"  # "eos" | "length" | "cancelled" | "skipped" (never started)
-    prompt_tokens: int = 0  # tokens of the conversation up to the answer
-    fed_tokens: int = 0  # tokens prefilled for this turn (the rest were already in the cache)
-    reprefilled: bool = False  # the cache could not be reused and was rebuilt from scratch
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    cache_bytes: int = 0  # live bytes of this precision's cache after the turn
-    cache_tokens: int = 0  # tokens held in that cache
-
-    @property
-    def decode_tok_s(self) -> float:
-        steps = max(len(self.tokens) - 1, 0)  # the first token comes from the prefill's logits
-        return steps / self.decode_s if self.decode_s > 0 and steps else 0.0
 
 
 @dataclass
@@ -92,18 +76,6 @@ class Turn:
         for a, row in zip(self.answers, d["answers"], strict=True):
             row["decode_tok_s"] = round(a.decode_tok_s, 3)
         return d
-
-
-@dataclass
-class _Lane:
-    spec: PrecisionSpec
-    messages: list[dict]  # this lane's conversation, system message included
-    cache: QuantizedKVCache | None = None
-    ids: list[int] = field(default_factory=list)  # the token ids whose keys/values `cache` holds
-
-    @property
-    def label(self) -> str:
-        return self.spec.label
 
 
 @contextmanager
@@ -134,17 +106,6 @@ def model_lock(
         lock.release()
 
 
-def _consistent(cache: QuantizedKVCache) -> bool:
-    """Every layer holds the same number of tokens (false after an exception inside a forward pass)."""
-    return len({layer.get_seq_length() for layer in cache.layers}) <= 1
-
-
-def _free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda" and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 class ChatSession:
     """A document plus a conversation, answered by `baseline` and by `spec`, with caches reused across turns."""
 
@@ -164,7 +125,7 @@ class ChatSession:
         self.document = document.strip()
         self.turns: list[Turn] = []
         self._running = threading.Lock()  # held by ask() / prepare(): see wait_idle()
-        self._lanes = [_Lane(self.baseline, self._system()), _Lane(parse_precision(spec), self._system())]
+        self._lanes = [Lane(self.baseline, self._system()), Lane(parse_precision(spec), self._system())]
 
     # --- state ------------------------------------------------------------------------------------
     @property
@@ -188,8 +149,9 @@ class ChatSession:
         """Forget the conversation and the caches; keep the document and the precisions."""
         self.turns = []
         for lane in self._lanes:
-            lane.messages, lane.cache, lane.ids = self._system(), None, []
-        _free_memory(self.lm.device)
+            lane.messages = self._system()
+            lane.drop_cache()
+        free_memory(self.lm.device)
 
     def set_precision(self, spec: PrecisionSpec | str) -> None:
         """Switch the chosen precision; the chat is kept and the new lane continues the baseline's conversation.
@@ -199,9 +161,8 @@ class ChatSession:
         spec = parse_precision(spec)
         if spec == self.spec:
             return
-        base = self._lanes[0]
-        self._lanes[1] = _Lane(spec, [dict(m) for m in base.messages])
-        _free_memory(self.lm.device)
+        self._lanes[1] = Lane(spec, [dict(m) for m in self._lanes[0].messages])
+        free_memory(self.lm.device)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no ask() / prepare() of this session is running; False if one still is after `timeout` s.
@@ -217,7 +178,7 @@ class ChatSession:
 
     def cache_bytes(self) -> dict[str, int]:
         """Live bytes of each lane's cache now (0 for a lane not prefilled yet)."""
-        return {lane.label: lane.cache.nbytes()["total"] if lane.cache is not None else 0 for lane in self._lanes}
+        return {lane.label: lane.cache_bytes() for lane in self._lanes}
 
     def cached_tokens(self) -> dict[str, int]:
         return {lane.label: len(lane.ids) for lane in self._lanes}
@@ -244,27 +205,32 @@ class ChatSession:
         plans = [chat_ids(self.lm, lane.messages, add_generation_prompt=False) for lane in self._lanes]
         self._check_context(max(map(len, plans)), 0)
         fed = {}
-        try:
-            with self._running, model_lock(self.lm, on_wait, should_stop):
-                for lane, ids in zip(self._lanes, plans, strict=True):
-                    answer = Answer(lane.label)
-                    if lane.cache is None or lane.ids[: len(ids)] != ids:  # not prefilled yet
-                        self._feed(lane, ids, answer, on_progress, should_stop)
-                    fed[lane.label] = answer.fed_tokens
-        except (torch.OutOfMemoryError, MemoryError):
-            raise self._out_of_memory("reading the document") from None
+        with (
+            self._running,
+            model_lock(self.lm, on_wait, should_stop),
+            self._caches_freed_on_oom("reading the document"),
+        ):
+            for lane, ids in zip(self._lanes, plans, strict=True):
+                answer = Answer(lane.label)
+                if not lane.holds(ids):
+                    lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop)
+                fed[lane.label] = answer.fed_tokens
         return fed
 
     def ask(
         self,
         question: str,
-        max_new_tokens: int = 128,
+        max_new_tokens: int = 256,
         on_token: TokenCallback | None = None,
         on_progress: ProgressCallback | None = None,
         should_stop: StopCallback | None = None,
         on_wait: WaitCallback | None = None,
     ) -> Turn:
-        """Answer `question` at every precision (baseline first), streaming tokens through `on_token`.
+        """Answer `question` at every precision, both answers streaming together through `on_token`.
+
+        Every lane prefills its new tokens (baseline first), then the lanes decode one token each in
+        turn. An answer ends at the model's end of turn, at a sentence end near `max_new_tokens`, or
+        at `max_new_tokens` (`Answer.stopped`: "eos", "sentence", "length").
 
         Raises `ChatError` for an empty question, a conversation that no longer fits the model's
         context, or out of memory; `runner.Cancelled` if stopped while waiting for the lock (nothing
@@ -279,17 +245,35 @@ class ChatSession:
         msgs = [lane.messages + [{"role": "user", "content": question}] for lane in self._lanes]
         plans = [chat_ids(self.lm, m) for m in msgs]
         self._check_context(max(map(len, plans)), max_new_tokens)
-        answers = [Answer(lane.label) for lane in self._lanes]
-        with self._running, model_lock(self.lm, on_wait, should_stop) as waited:
+        answers = [Answer(lane.label, cap=max_new_tokens) for lane in self._lanes]
+        with self._running, model_lock(self.lm, on_wait, should_stop) as waited, self._caches_freed_on_oom("answering"):
             try:
-                for lane, ids, answer in zip(self._lanes, plans, answers, strict=True):
-                    self._answer(lane, ids, answer, max_new_tokens, on_token, on_progress, should_stop)
-            except (torch.OutOfMemoryError, MemoryError):
-                raise self._out_of_memory("answering") from None  # nothing recorded: the user can retry
+                self._answer(plans, answers, on_token, on_progress, should_stop)
+            except OUT_OF_MEMORY:
+                raise  # nothing recorded: the user can ask again once the caches are freed
             except BaseException:
                 self._record(question, msgs, answers, waited)  # interrupted by a callback: keep the partial turn
                 raise
             return self._record(question, msgs, answers, waited)
+
+    def _answer(
+        self,
+        plans: list[list[int]],
+        answers: list[Answer],
+        on_token: TokenCallback | None,
+        on_progress: ProgressCallback | None,
+        should_stop: StopCallback | None,
+    ) -> None:
+        """Prefill every lane, then decode them together; returns early (answers "cancelled") when stopped."""
+        stop_ids = stop_token_ids(self.lm)
+        decodings = []
+        for lane, ids, answer in zip(self._lanes, plans, answers, strict=True):
+            answer.stopped = "cancelled"  # until its decoding says otherwise
+            logits = lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop)
+            if logits is None:
+                return
+            decodings.append(Decoding(lane, answer, logits, stop_ids))
+        decode_together(self.lm, decodings, on_token, should_stop)
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         limit = self.lm.max_context
@@ -299,96 +283,26 @@ class ChatSession:
                 f"context ({limit} tokens): start a new chat, shorten the document or ask for fewer new tokens"
             )
 
-    def _out_of_memory(self, doing: str) -> ChatError:
-        for lane in self._lanes:
-            lane.cache, lane.ids = None, []
-        _free_memory(self.lm.device)
-        return ChatError(
-            f"out of memory while {doing}: the caches were freed; try a shorter document, fewer new tokens "
-            "or a lower KV precision (int4, int2)"
-        )
-
-    def _feed(
-        self,
-        lane: _Lane,
-        ids: Sequence[int],
-        answer: Answer,
-        on_progress: ProgressCallback | None,
-        should_stop: StopCallback | None,
-    ) -> torch.Tensor | None:
-        """Bring the lane's cache to hold `ids`; return the next-token logits [V] (None if stopped first).
-
-        Reuses the cache when its ids are a prefix of `ids`; feeds the rest in chunks of
-        `prefill_chunk` tokens, polling `should_stop` and reporting progress between chunks.
-        """
-        ids = list(ids)
-        held = len(lane.ids)
-        reusable = lane.cache is not None and held < len(ids) and ids[:held] == lane.ids
-        if not reusable:
-            answer.reprefilled = lane.cache is not None
-            lane.cache, lane.ids, held = new_cache(self.lm, lane.spec), [], 0
-            _free_memory(self.lm.device)
-        rest = ids[held:]  # never empty: a new turn always adds tokens
-        answer.prompt_tokens = len(ids)
-        t0 = time.perf_counter()
-        logits = None
+    @contextmanager
+    def _caches_freed_on_oom(self, doing: str) -> Iterator[None]:
+        """Out of memory inside: free both caches and raise one `ChatError` line instead."""
         try:
-            for start in range(0, len(rest), self.prefill_chunk):
-                if should_stop is not None and should_stop():
-                    return None
-                if on_progress is not None:
-                    on_progress(lane.label, start, len(rest))
-                logits = prefill(self.lm, rest[start : start + self.prefill_chunk], lane.cache)  # [V]
-                answer.fed_tokens += len(rest[start : start + self.prefill_chunk])
-            if on_progress is not None:
-                on_progress(lane.label, len(rest), len(rest))
-        finally:
-            answer.prefill_s = time.perf_counter() - t0
-            self._sync(lane, ids)
-        return logits
-
-    def _answer(
-        self,
-        lane: _Lane,
-        ids: list[int],
-        answer: Answer,
-        max_new_tokens: int,
-        on_token: TokenCallback | None,
-        on_progress: ProgressCallback | None,
-        should_stop: StopCallback | None,
-    ) -> None:
-        answer.stopped = "cancelled"  # until generate() says otherwise
-        logits = self._feed(lane, ids, answer, on_progress, should_stop)
-        if logits is None:
-            return
-
-        def streamed(token: int, piece: str) -> None:
-            answer.tokens.append(token)  # kept even if the callback below raises
-            if on_token is not None:
-                on_token(lane.label, token, piece)
-
-        t0 = time.perf_counter()
-        try:
-            _, _, answer.stopped, _ = generate(self.lm, lane.cache, logits, max_new_tokens, streamed, should_stop)
-        finally:
-            answer.decode_s = time.perf_counter() - t0
-            self._sync(lane, ids + answer.tokens)
-
-    def _sync(self, lane: _Lane, attempted: list[int]) -> None:
-        """Record which of `attempted` the lane's cache now holds (drop a cache left half-updated)."""
-        if lane.cache is None:
-            return
-        if not _consistent(lane.cache):
-            lane.cache, lane.ids = None, []
-            return
-        lane.ids = list(attempted[: lane.cache.get_seq_length()])
+            yield
+        except OUT_OF_MEMORY:
+            for lane in self._lanes:
+                lane.drop_cache()
+            free_memory(self.lm.device)
+            raise ChatError(
+                f"out of memory while {doing}: the caches were freed; try a shorter document, fewer new tokens "
+                "or a lower KV precision (int4, int2)"
+            ) from None
 
     def _record(self, question: str, msgs: list[list[dict]], answers: list[Answer], waited: float) -> Turn:
         tok = self.lm.tokenizer
         for lane, m, answer in zip(self._lanes, msgs, answers, strict=True):
             answer.text = tok.decode(answer.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
             if lane.cache is not None:
-                answer.cache_bytes = lane.cache.nbytes()["total"]
+                answer.cache_bytes = lane.cache_bytes()
                 answer.cache_tokens = len(lane.ids)
             lane.messages = m + [{"role": "assistant", "content": answer.text.strip()}]
         base, chosen = answers[0], answers[-1]

@@ -67,6 +67,10 @@ def chat_app(max_new: int = 4, doc: bytes = NOTES.encode()) -> AppTest:
     return upload(at, "notes.txt", doc)
 
 
+def turn_answers(at: AppTest, turn: int = -1) -> list:
+    return at.session_state["chat_session"].turns[turn].answers
+
+
 def answer_labels(at: AppTest) -> list[str]:
     return [m for m in texts(at, "markdown") if m in ("**full**", "**int4**", "**int8**")]
 
@@ -139,6 +143,13 @@ def test_chat_turn_gives_two_answers_and_followup_reuses_caches():
     assert answer_labels(at) == ["**full**", "**int4**"]
     first = [c for c in texts(at, "caption") if "new tokens" in c]
     assert len(first) == 2 and all("cache " in c and "MiB" in c for c in first), first
+    # 4 tokens end no sentence: the caption says the cap cut the answer (unless the model ended its turn)
+    assert all(
+        "cut mid-sentence at the 4-token cap" in c
+        for c, a in zip(first, turn_answers(at), strict=True)
+        if a.stopped == "length"
+    )
+    assert any(a.stopped == "length" for a in turn_answers(at))
     ask(at, "Who presents the travel costs?")
     assert answer_labels(at) == ["**full**", "**int4**"] * 2  # the first turn is still shown
     captions = texts(at, "caption")
@@ -157,7 +168,7 @@ def test_chat_turn_gives_two_answers_and_followup_reuses_caches():
 
 
 def test_out_of_memory_in_chat_shows_hint_and_keeps_chat(monkeypatch):
-    import kvdemo.chat as chat
+    import kvdemo.lanes as lanes
 
     at = chat_app()
     ask(at, "When is the budget review?")
@@ -165,7 +176,7 @@ def test_out_of_memory_in_chat_shows_hint_and_keeps_chat(monkeypatch):
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(chat, "prefill", oom)
+    monkeypatch.setattr(lanes, "prefill", oom)
     ask(at, "Who asks for a laptop?")
     errors = [e.value for e in at.error]
     assert any("out of memory" in e and "lower KV precision" in e and "chat and document are kept" in e for e in errors)
@@ -177,19 +188,18 @@ def test_out_of_memory_in_chat_shows_hint_and_keeps_chat(monkeypatch):
 
 
 def test_stop_mid_answer_releases_lock_and_next_turn_works(monkeypatch):
-    import kvdemo.chat as chat
+    import kvdemo.lanes as lanes
 
     at = chat_app(max_new=6)
-    real = chat.generate
+    real = lanes.prefill
 
-    def stopped(lm, cache, logits, max_new_tokens, on_token=None, should_stop=None, keep_logits=False):
-        def token_then_stop(token, piece):
-            on_token(token, piece)
-            raise StopException()  # what Streamlit raises in the script when the user clicks Stop
+    def stopped(lm, ids, cache, *args, **kwargs):
+        logits = real(lm, ids, cache, *args, **kwargs)
+        if len(ids) == 1:  # the first decode step: Streamlit raises this in the script when the user clicks Stop
+            raise StopException()
+        return logits
 
-        return real(lm, cache, logits, max_new_tokens, token_then_stop, should_stop, keep_logits)
-
-    monkeypatch.setattr(chat, "generate", stopped)
+    monkeypatch.setattr(lanes, "prefill", stopped)
     ask(at, "When is the budget review?")
     assert not app_model().lock.locked()
     monkeypatch.undo()
@@ -205,6 +215,8 @@ def test_stop_mid_answer_releases_lock_and_next_turn_works(monkeypatch):
 
 # --- uploads -------------------------------------------------------------------------------------
 def test_upload_errors_are_shown_and_the_document_is_kept():
+    from kvdemo.documents import extract_bytes
+
     at = chat_app()
     for name, data, words in [
         ("empty.txt", b"", "empty file"),
@@ -218,12 +230,45 @@ def test_upload_errors_are_shown_and_the_document_is_kept():
         assert len(errors) == 1 and words in errors[0] and "kept the previous document" in errors[0], (name, errors)
         assert not at.exception
         assert at.session_state["document"]["name"] == "notes.txt"
-    upload(at, "long.txt", (NOTES + "\n\n").encode() * 400)  # ~28k tokens: far beyond the 8k context
+    long = (NOTES + "\n\n").encode() * 400  # ~28k tokens: far beyond the 8k context
+    upload(at, "long.txt", long)
     assert not at.error
     notice = [w.value for w in at.warning if "longer than fits" in w.value]
     assert notice and "8,192 tokens" in notice[0]
     doc = at.session_state["document"]
     assert doc["name"] == "long.txt" and doc["truncated"] and doc["tokens"] <= 8192 - 1024
+    text = extract_bytes(long, "long.txt").text  # the whole document, before the cut
+    tokens = len(app_model().tokenizer(text, add_special_tokens=False)["input_ids"])
+    kept = f"kept its first {doc['tokens']:,} of {tokens:,} tokens ({len(doc['text']):,} of {len(text):,} characters)"
+    assert kept in notice[0], notice[0]
+
+
+def document_panel(at: AppTest):
+    (panel,) = [e for e in at.expander if e.label == "Document"]
+    return panel
+
+
+def test_document_panel_stays_open_and_a_new_document_asks_before_ending_the_chat():
+    at = chat_app()
+    ask(at, "When is the budget review?")
+    at.radio(key="doc_source").set_value("sample").run()  # the user looks at the other choice...
+    assert document_panel(at).proto.expanded  # ...in a panel that stays open (it collapsed on every rerun)
+    (question,) = [w.value for w in at.warning if w.value.startswith("Replace")]
+    assert "**notes.txt**" in question and "the conversation (1 question)" in question
+    assert at.session_state["document"]["name"] == "notes.txt" and len(at.session_state["chat_session"].turns) == 1
+    at.button(key="doc_keep").click().run()
+    assert at.radio(key="doc_source").value == "upload" and not any(w.value.startswith("Replace") for w in at.warning)
+    assert at.file_uploader(key="doc_upload") is not None  # the uploader is back in view
+    assert answer_labels(at) == ["**full**", "**int4**"]  # the chat is still there
+    upload(at, "agenda.txt", b"Agenda: the picnic is on Saturday at noon, by the lake.")
+    assert document_panel(at).proto.expanded
+    assert any("**agenda.txt**" in w.value for w in at.warning if w.value.startswith("Replace"))
+    assert at.session_state["document"]["name"] == "notes.txt" and answer_labels(at) == ["**full**", "**int4**"]
+    at.button(key="doc_replace").click().run()
+    assert not at.exception
+    assert at.session_state["document"]["name"] == "agenda.txt"
+    assert at.session_state["chat_session"].turns == [] and "picnic" in at.session_state["chat_session"].document
+    assert answer_labels(at) == [] and any("new conversation" in i.value for i in at.info)
 
 
 # --- needle, drift, memory -----------------------------------------------------------------------

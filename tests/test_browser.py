@@ -53,6 +53,20 @@ DOCUMENT = (
     "Action items: Anna sends the cost table by Friday; Ben gets three quotes; the next review is in May."
 )
 
+BOTH_COLUMNS_GROW = """() => {
+  const seen = (window.kvdemoSeen = window.kvdemoSeen || {full: new Set(), int4: new Set()});
+  const now = {};
+  for (const el of document.querySelectorAll('[data-testid="stMarkdownContainer"]')) {
+    const m = el.innerText.match(/^(full|int4)\\b/);
+    if (m && el.innerText.includes("\u258c")) now[m[1]] = el.innerText.length;
+  }
+  if (now.full !== undefined && now.int4 !== undefined) {
+    seen.full.add(now.full);
+    seen.int4.add(now.int4);
+  }
+  return seen.full.size >= 2 && seen.int4.size >= 2;
+}"""
+
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.model,
@@ -184,7 +198,7 @@ def test_every_page_in_chromium(server, page, tmp_path):
     page.locator('[data-testid="stFileUploader"] input[type="file"]').set_input_files(str(doc))
     page.get_by_text(re.compile(r"meeting-notes\.txt: \d+ tokens")).wait_for(timeout=MODEL_WORK_S * 1000)
     idle(page)
-    fill(page, "New tokens per answer", SIZES["max_new"])
+    fill(page, "Longest answer (tokens)", SIZES["max_new"])
     chat = page.locator('[data-testid="stChatInput"] textarea')
     chat.fill("When is the budget review, and where?")
     chat.press("Enter")
@@ -201,6 +215,17 @@ def test_every_page_in_chromium(server, page, tmp_path):
         page.get_by_text(re.compile("from the cache")).first.wait_for(timeout=MODEL_WORK_S * 1000)
         idle(page)
     shoot(page, shots, "chat")
+
+    # Another document while a conversation exists: the Document panel stays open and the app asks before
+    # the new document ends the conversation.
+    page.get_by_text("Bundled sample (Pride and Prejudice)").click()
+    idle(page)
+    page.get_by_text(re.compile(r"^Replace meeting-notes\.txt with Pride and Prejudice")).wait_for()
+    page.get_by_role("button", name="Keep meeting-notes.txt").click()
+    idle(page)
+    expect(page.locator('[data-testid="stFileUploader"]')).to_be_visible()
+    expect(messages).to_have_count(3)
+    no_exception(page)
 
     # Needle: a grid cancelled mid-way keeps the cells it finished and frees the model for the next run.
     goto(page, "Needle")
@@ -253,15 +278,18 @@ def test_every_page_in_chromium(server, page, tmp_path):
 
     # Leaving the page mid-answer stops the generation: the partial turn is kept, the model lock is
     # released, and the next question is answered.
-    fill(page, "New tokens per answer", "400")
+    fill(page, "Longest answer (tokens)", "400")
     chat.fill("List every item in the notes, in detail.")
     chat.press("Enter")
     page.get_by_text("▌").first.wait_for(timeout=MODEL_WORK_S * 1000)  # tokens are streaming
+    # Both columns receive tokens before either finishes: each streaming column (its cursor still shown)
+    # is seen at two different lengths while the other one is streaming too.
+    page.wait_for_function(BOTH_COLUMNS_GROW, timeout=MODEL_WORK_S * 1000, polling=100)
     goto(page, "Needle")
     goto(page, "Chat")
     page.get_by_text("List every item in the notes, in detail.").wait_for()
     page.get_by_text(re.compile("stopped")).first.wait_for()
-    fill(page, "New tokens per answer", "4")
+    fill(page, "Longest answer (tokens)", "4")
     chat.fill("Where is the new office?")
     chat.press("Enter")
     expect(page.locator('[data-testid="stChatMessage"]')).to_have_count(turns + 6, timeout=MODEL_WORK_S * 1000)

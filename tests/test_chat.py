@@ -1,4 +1,5 @@
-"""kvdemo.chat: prefix reuse across turns, two lanes, cancel, OOM injection, the model lock, concurrency."""
+"""kvdemo.chat and kvdemo.lanes: prefix reuse across turns, two lanes streaming together, where an answer
+ends, cancel, OOM injection, the model lock, concurrency."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvdemo import chat
+from kvdemo import lanes
 from kvdemo.chat import ChatError, ChatSession, divergence_split, model_lock
+from kvdemo.lanes import Answer, Decoding, Lane, ends_sentence
+from kvdemo.precision import parse_precision
 from kvdemo.runner import Cancelled, chat_ids, first_divergence, run_precision
 
 DOC = (
@@ -60,6 +63,49 @@ def test_model_lock_released_on_exception():
     assert not fake.lock.locked()
 
 
+# --- where an answer ends, without a model ----------------------------------------------------------
+VOCAB = ["The", " cat", " sat", ".", " It", " ran", " far", "<eos>", "\n", " Mr", " Darcy", " 3", "14"]
+
+
+def scripted(monkeypatch, words: list[str], cap: int) -> Answer:
+    """Decode `words` (scripted greedy tokens) with the real stop rules; returns the answer."""
+    ids = [VOCAB.index(w) for w in words]
+    tok = SimpleNamespace(decode=lambda t, **kw: "".join(VOCAB[i] for i in t))
+    fake_lm = SimpleNamespace(tokenizer=tok)
+
+    def one_hot(i: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(ids[i]), len(VOCAB)).float()
+
+    fed = []
+    monkeypatch.setattr(lanes, "prefill", lambda lm, chunk, cache: (fed.extend(chunk), one_hot(len(fed)))[1])
+    run = Decoding(Lane(parse_precision("full"), []), Answer("full", cap=cap), one_hot(0), {VOCAB.index("<eos>")})
+    while run.step(fake_lm):
+        pass
+    assert fed == run.answer.tokens[: run.answer.decode_steps]
+    return run.answer
+
+
+def test_answer_ends_at_a_sentence_near_its_cap(monkeypatch):
+    words = ["The", " cat", " sat", ".", " It", " ran", " far", ".", " It", " ran", " far", " far"] * 4
+    late = scripted(monkeypatch, words, cap=40)  # sentences end at 4, 8, 16, 20, 28, 32...: the window opens at 30
+    assert late.stopped == "sentence" and late.text.endswith("far.") and len(late.tokens) == 32
+    a = scripted(monkeypatch, words, cap=10)  # window from token 8 ("The cat sat. It ran far." is 8 tokens)
+    assert (a.stopped, a.text, a.decode_steps) == ("sentence", "The cat sat. It ran far.", 8)
+    cut = scripted(monkeypatch, ["The", " cat", " sat", " far"] * 4, cap=6)
+    assert (cut.stopped, len(cut.tokens), cut.decode_steps) == ("length", 6, 5)  # no sentence end: the cap cuts
+    eos = scripted(monkeypatch, ["The", " cat", "<eos>", " far"], cap=6)
+    assert (eos.stopped, eos.text, len(eos.tokens)) == ("eos", "The cat", 3)  # the end-of-turn token is no text
+
+
+def test_sentence_ends_skip_abbreviations_and_decimals():
+    assert ends_sentence("It ran.", " The") and ends_sentence("Really?", " Yes") and ends_sentence("a list", "\n")
+    assert not ends_sentence("It ran.", "14")  # "3." + "14"
+    assert not ends_sentence("We met Mr.", " Darcy") and not ends_sentence("see e.g.", " this")
+    assert not ends_sentence("by J.", " Austen") and not ends_sentence("It ran", " far")
+    assert ends_sentence('He said "go."', " Then") and ends_sentence("It was founded in 1987.", " It")
+    assert not ends_sentence("Two items:\n2.", " The")  # a numbered list item, not a sentence end
+
+
 # --- sessions on the embedded model ----------------------------------------------------------------
 @pytest.fixture
 def session(lm):
@@ -79,19 +125,36 @@ def test_prepare_then_followups_feed_only_new_tokens(lm, session):
             assert 0 < a.fed_tokens < 40, a  # the ~110-token document is never read again
             assert not a.reprefilled
             assert a.prompt_tokens > len(doc_ids)
-            assert len(a.tokens) == NEW or a.stopped == "eos"
+            assert a.finished and (len(a.tokens) == NEW or a.stopped in ("eos", "sentence")), a
+            assert a.decode_steps == len(a.tokens) - (a.stopped != "sentence")  # an ending token is never fed
     # The full-precision answer of the follow-up equals a from-scratch run on the same conversation.
     hist = session.history()["full"]
     ids = chat_ids(lm, hist[:-1])
     assert second.answers[0].prompt_tokens == len(ids)
-    assert run_precision(lm, ids, "full", NEW).tokens == second.answers[0].tokens
-    # Each lane's cache holds its conversation so far (the last generated token is never fed).
+    alone = run_precision(lm, ids, "full", NEW).tokens
+    assert alone[: len(second.answers[0].tokens)] == second.answers[0].tokens
+    # Each lane's cache holds its conversation so far (the token that ends an answer is never fed).
     for a in second.answers:
-        held = a.prompt_tokens + len(a.tokens) - 1
+        held = a.prompt_tokens + a.decode_steps
         assert a.cache_tokens == held == session.cached_tokens()[a.precision]
         assert a.cache_bytes == session.cache_bytes()[a.precision] > 0
     full_bytes, int4_bytes = (a.cache_bytes for a in second.answers)
     assert int4_bytes < full_bytes  # codes + a 32-token residual vs the model's dtype
+
+
+@pytest.mark.model
+def test_both_answers_stream_together_each_timed_on_its_own(lm, session):
+    streamed = []
+    turn = session.ask(
+        "Describe the company in detail.", max_new_tokens=12, on_token=lambda a, piece: streamed.append(a.precision)
+    )
+    base, chosen = turn.answers
+    both = 2 * min(len(base.tokens), len(chosen.tokens))
+    assert streamed[:both] == ["full", "int4:g32:r32"] * (both // 2)  # one token per lane in turn
+    assert both >= 4
+    for a in turn.answers:
+        assert a.decode_steps >= 1 and a.decode_tok_s == a.decode_steps / a.decode_s > 0
+        assert a.decode_s < sum(x.decode_s for x in turn.answers)  # its own steps, not the pair's
 
 
 @pytest.mark.model
@@ -114,15 +177,15 @@ def test_should_stop_keeps_partial_turn_and_next_turn_reuses_cache(lm, session):
     session.prepare()  # both lanes hold the document
     streamed = []
 
-    def on_token(label, token, piece):
-        streamed.append((label, token))
+    def on_token(answer, piece):
+        streamed.append((answer.precision, answer.tokens[-1]))
 
     turn = session.ask(
-        "Who founded Zorblat?", max_new_tokens=NEW, on_token=on_token, should_stop=lambda: len(streamed) >= 2
+        "Who founded Zorblat?", max_new_tokens=NEW, on_token=on_token, should_stop=lambda: len(streamed) >= 3
     )
     base, chosen = turn.answers
-    assert base.stopped == "cancelled" and len(base.tokens) == 2
-    assert chosen.stopped == "cancelled" and chosen.tokens == []  # stopped before it started
+    assert base.stopped == "cancelled" and len(base.tokens) == 2  # the lanes take turns: full, int4, full
+    assert chosen.stopped == "cancelled" and len(chosen.tokens) == 1
     assert turn.cancelled and session.turns == [turn]
     assert not lm.lock.locked()
     nxt = session.ask("Where is the headquarters?", max_new_tokens=NEW)
@@ -132,16 +195,16 @@ def test_should_stop_keeps_partial_turn_and_next_turn_reuses_cache(lm, session):
 
 @pytest.mark.model
 def test_exception_from_a_callback_releases_lock_and_keeps_chat(lm, session):
-    def on_token(label, token, piece):
-        if label != "full":
+    def on_token(answer, piece):
+        if answer.precision != "full":
             raise Boom()  # e.g. Streamlit stops the script when the user clicks Stop or changes page
 
     with pytest.raises(Boom):
         session.ask("Who founded Zorblat?", max_new_tokens=NEW, on_token=on_token)
     assert not lm.lock.locked()
     (turn,) = session.turns
-    assert turn.answers[0].stopped in ("eos", "length") and turn.answers[0].text
-    assert len(turn.answers[1].tokens) == 1  # the token whose callback raised is kept
+    assert turn.cancelled and [len(a.tokens) for a in turn.answers] == [1, 1]  # the raising token is kept
+    assert [a.stopped for a in turn.answers] == ["cancelled", "cancelled"]
     again = session.ask("And the headquarters?", max_new_tokens=NEW)
     assert all(not a.reprefilled for a in again.answers)
     assert len(session.turns) == 2
@@ -153,7 +216,7 @@ def test_wait_idle_until_a_stopped_turn_in_another_thread_has_unwound(lm, sessio
     waits with wait_idle() and then sees the stopped turn recorded."""
     streaming, stop = threading.Event(), threading.Event()
 
-    def on_token(label, token, piece):
+    def on_token(answer, piece):
         streaming.set()
         stop.wait(30)
         raise Boom()  # the old run reaches its next yield point and stops
@@ -201,20 +264,22 @@ def test_exception_inside_a_forward_pass_drops_only_that_cache(lm, session):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("where, error", [("prefill", torch.OutOfMemoryError), ("generate", MemoryError)])
+@pytest.mark.parametrize("where, error", [("prefill", torch.OutOfMemoryError), ("decode", MemoryError)])
 def test_out_of_memory_frees_caches_and_keeps_chat(lm, session, monkeypatch, where, error):
     session.ask("Who founded Zorblat?", max_new_tokens=NEW)
-    real = getattr(chat, where)
+    real = lanes.prefill
 
-    def oom(*args, **kwargs):
+    def oom(lm, ids, cache, *args, **kwargs):
+        if where == "decode" and len(ids) > 1:  # the question's tokens go through; the first decode step fails
+            return real(lm, ids, cache, *args, **kwargs)
         raise error("injected: CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(chat, where, oom)
+    monkeypatch.setattr(lanes, "prefill", oom)
     with pytest.raises(ChatError, match="out of memory.*lower KV precision"):
         session.ask("How many employees?", max_new_tokens=NEW)
     assert session.cache_bytes() == {"full": 0, "int4:g32:r32": 0}
     assert len(session.turns) == 1 and not lm.lock.locked()
-    monkeypatch.setattr(chat, where, real)
+    monkeypatch.setattr(lanes, "prefill", real)
     turn = session.ask("How many employees?", max_new_tokens=NEW)
     assert all(a.fed_tokens == a.prompt_tokens for a in turn.answers)  # re-read after the caches were freed
     assert len(session.turns) == 2
@@ -257,7 +322,7 @@ def test_four_concurrent_sessions_queue_and_never_cross_talk(lm):
     sessions = [ChatSession(lm, "k8v4:g32:r32", document=f"The access code is {c}. Keep it safe.") for c in codes]
     active, peak, waits, errors = [0], [0], [0] * 4, []
     guard = threading.Lock()
-    real_prefill = chat.prefill
+    real_prefill = lanes.prefill
 
     def counting_prefill(*args, **kwargs):
         with guard:
@@ -275,7 +340,7 @@ def test_four_concurrent_sessions_queue_and_never_cross_talk(lm):
         except Exception as err:  # reported below
             errors.append(err)
 
-    chat.prefill = counting_prefill
+    lanes.prefill = counting_prefill
     try:
         threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
         start = time.perf_counter()
@@ -284,7 +349,7 @@ def test_four_concurrent_sessions_queue_and_never_cross_talk(lm):
         for t in threads:
             t.join(timeout=240)
     finally:
-        chat.prefill = real_prefill
+        lanes.prefill = real_prefill
     assert not any(t.is_alive() for t in threads), "a queued run did not finish in time"
     assert errors == []
     assert peak[0] == 1  # the lock serialized the generations

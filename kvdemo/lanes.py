@@ -1,0 +1,229 @@
+"""One precision's side of a chat (a *lane*): its cache, the token ids that cache holds, its own
+conversation, and its answer to the current question, decoded one token per call so that two lanes
+can take turns and stream side by side (`kvdemo/chat.py` runs them).
+
+An answer ends at the model's end-of-turn token, at its cap (`max_new_tokens`), or, once it is in
+the last quarter of the cap, at the first sentence end: the text so far ends in `.`, `!` or `?`
+(not an abbreviation such as "Mr.") and the next token starts with a space or a line break. The
+cap therefore cuts mid-sentence only when no sentence ended in that last quarter.
+
+No Streamlit here. References: KIVI (arXiv:2402.02750) for the residual/blocked cache a lane holds;
+vLLM's automatic prefix caching for reusing a prompt's cached prefix across requests.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import QuantizedKVCache
+from .models import LoadedModel
+from .precision import PrecisionSpec
+from .runner import new_cache, prefill
+
+SENTENCE_WINDOW = 0.25  # the last quarter of the cap: there an answer ends at the first sentence end
+ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "mt.", "jr.", "sr.", "vs.", "etc.", "e.g.", "i.e.", "no."}
+_SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]*_]*$")
+
+TokenCallback = Callable[["Answer", str], None]  # (the answer so far, its newest token's text; "" if none)
+ProgressCallback = Callable[[str, int, int], None]  # (precision label, tokens prefilled, tokens to prefill)
+StopCallback = Callable[[], bool]
+
+
+@dataclass
+class Answer:
+    """One precision's answer to one question."""
+
+    precision: str
+    cap: int = 0  # the most new tokens this answer could have (max_new_tokens)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # streamed pieces while decoding, the decoded tokens once the turn is recorded
+    stopped: str = "skipped"  # "eos" | "sentence" | "length" | "cancelled" | "skipped" (never started)
+    prompt_tokens: int = 0  # tokens of the conversation up to the answer
+    fed_tokens: int = 0  # tokens prefilled for this turn (the rest were already in the cache)
+    reprefilled: bool = False  # the cache could not be reused and was rebuilt from scratch
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # time in this lane's own decode steps (not the other lane's, not streaming)
+    decode_steps: int = 0  # one-token forward passes behind `decode_s`
+    cache_bytes: int = 0  # live bytes of this precision's cache after the turn
+    cache_tokens: int = 0  # tokens held in that cache
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 and self.decode_steps else 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped in ("eos", "sentence", "length")
+
+
+def free_memory(device: torch.device) -> None:
+    """Return a dropped cache's memory now (on a GPU, to the driver) rather than at the next collection."""
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sentence_window_start(cap: int) -> int:
+    """Tokens an answer has before it may end at a sentence end instead of running to `cap`."""
+    return cap - max(1, round(cap * SENTENCE_WINDOW))
+
+
+def ends_sentence(text: str, next_piece: str) -> bool:
+    """True when `text` ends a sentence and `next_piece` (the next token's text) starts the next one."""
+    if next_piece.startswith("\n") and text.strip():
+        return True  # a line break: the end of a paragraph or a list item
+    if not next_piece[:1].isspace():
+        return False  # "3." + "14", "e.g" + "."
+    words = text.split()
+    if not words or not _SENTENCE_END.search(words[-1]):
+        return False
+    last = words[-1].lower()
+    if last in ABBREVIATIONS or re.fullmatch(r"[a-z]\.", last):
+        return False  # "Mr. Darcy", "J. Austen"
+    return not re.fullmatch(r"\d+\.", text.rsplit("\n", 1)[-1].strip())  # "2." opening a list item
+
+
+class Lane:
+    """One precision's cache, the ids it holds and the conversation it answers."""
+
+    def __init__(self, spec: PrecisionSpec, messages: list[dict]):
+        self.spec = spec
+        self.messages = messages  # this lane's conversation, system message included
+        self.cache: QuantizedKVCache | None = None
+        self.ids: list[int] = []  # the token ids whose keys/values `cache` holds
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def drop_cache(self) -> None:
+        self.cache, self.ids = None, []
+
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes()["total"] if self.cache is not None else 0
+
+    def holds(self, ids: Sequence[int]) -> bool:
+        """The cache already holds `ids` (or more after them)."""
+        return self.cache is not None and self.ids[: len(ids)] == list(ids)
+
+    def feed(
+        self,
+        lm: LoadedModel,
+        ids: Sequence[int],
+        answer: Answer,
+        chunk: int,
+        on_progress: ProgressCallback | None = None,
+        should_stop: StopCallback | None = None,
+    ) -> torch.Tensor | None:
+        """Bring the cache to hold `ids`; return the next-token logits [V] (None if stopped first).
+
+        Reuses the cache when its ids are a prefix of `ids` and feeds the rest in chunks of `chunk`
+        tokens, polling `should_stop` and reporting progress between chunks; else starts a new cache.
+        """
+        ids = list(ids)
+        held = len(self.ids)
+        if not (self.cache is not None and held < len(ids) and ids[:held] == self.ids):
+            answer.reprefilled = self.cache is not None
+            self.drop_cache()
+            free_memory(lm.device)
+            self.cache, held = new_cache(lm, self.spec), 0
+        rest = ids[held:]  # never empty: a new turn always adds tokens
+        answer.prompt_tokens = len(ids)
+        t0 = time.perf_counter()
+        logits = None
+        try:
+            for start in range(0, len(rest), chunk):
+                if should_stop is not None and should_stop():
+                    return None
+                if on_progress is not None:
+                    on_progress(self.label, start, len(rest))
+                logits = prefill(lm, rest[start : start + chunk], self.cache)  # [V]
+                answer.fed_tokens += len(rest[start : start + chunk])
+            if on_progress is not None:
+                on_progress(self.label, len(rest), len(rest))
+        finally:
+            answer.prefill_s = time.perf_counter() - t0
+            self.sync(ids)
+        return logits
+
+    def sync(self, attempted: Sequence[int]) -> None:
+        """Record which of `attempted` the cache now holds; drop a cache an exception left half-updated
+        (its layers hold different numbers of tokens)."""
+        if self.cache is None:
+            return
+        if len({layer.get_seq_length() for layer in self.cache.layers}) > 1:
+            self.drop_cache()
+            return
+        self.ids = list(attempted[: self.cache.get_seq_length()])
+
+
+@dataclass
+class Decoding:
+    """A lane's answer in progress: the logits of its next token and the rules that end it."""
+
+    lane: Lane
+    answer: Answer
+    logits: torch.Tensor  # [V] float32, the next token's
+    stop_ids: set[int]
+
+    def step(self, lm: LoadedModel, on_token: TokenCallback | None = None) -> bool:
+        """Choose the next token (greedy), stream it, and feed it unless the answer ends with it.
+
+        Returns False once the answer has ended (its `stopped` says why); an answer that ends before a
+        new sentence streams one last call with an empty piece. Only the forward pass counts towards
+        the lane's decode time.
+        """
+        answer = self.answer
+        nxt = int(torch.argmax(self.logits))
+        piece = lm.tokenizer.decode([nxt])
+        near_cap = len(answer.tokens) >= sentence_window_start(answer.cap)
+        if near_cap and nxt not in self.stop_ids and ends_sentence(answer.text, piece):
+            answer.stopped = "sentence"
+            if on_token is not None:
+                on_token(answer, "")
+            return False
+        answer.tokens.append(nxt)  # kept even if the callback below raises
+        if nxt in self.stop_ids:
+            answer.stopped, piece = "eos", ""  # the end-of-turn token is not text
+        elif len(answer.tokens) >= answer.cap:
+            answer.stopped = "length"
+        answer.text += piece
+        if on_token is not None:
+            on_token(answer, piece)
+        if answer.finished:
+            return False
+        t0 = time.perf_counter()
+        self.logits = prefill(lm, [nxt], self.lane.cache)  # [V]
+        answer.decode_s += time.perf_counter() - t0
+        answer.decode_steps += 1
+        return True
+
+
+def decode_together(
+    lm: LoadedModel,
+    decodings: list[Decoding],
+    on_token: TokenCallback | None = None,
+    should_stop: StopCallback | None = None,
+) -> None:
+    """Decode every lane's answer, one token per lane in turn, until each has ended or `should_stop()`.
+
+    Answers not finished when stopped (or when a callback raises) keep `stopped="cancelled"`. Each
+    lane's cache is synced with its answer's tokens however this returns.
+    """
+    active = list(decodings)
+    try:
+        while active:
+            for run in list(active):
+                if should_stop is not None and should_stop():
+                    return
+                if not run.step(lm, on_token):
+                    active.remove(run)
+    finally:
+        for run in decodings:
+            run.lane.sync(run.lane.ids + run.answer.tokens)
