@@ -356,60 +356,9 @@ def bench_floors() -> list[dict]:
 # --- 6. end-to-end tokens/s -----------------------------------------------------------------------
 
 
-class IdsOnlyTokenizer:
-    """The tokenizer of a random-weights model: its token ids stand for no text."""
-
-    eos_token_id = unk_token_id = chat_template = None
-    pad_token_id = 0
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return ""
-
-    def convert_tokens_to_ids(self, token: str):
-        return None
-
-
-def random_model(name: str, device: torch.device):
-    """A Llama-architecture model with the shapes of assets/model_configs/<name>.json and random weights,
-    in fp16 on CUDA (fp32 on CPU), through kvdemo's attention like any loaded model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvdemo.attention import use_kvdemo_attention
-    from kvdemo.memory import MODEL_CONFIG_DIR, get_model_config
-    from kvdemo.models import LoadedModel, pick_dtype
-
-    cfg = json.loads((MODEL_CONFIG_DIR / f"{get_model_config(name).name}.json").read_text())
-    config = LlamaConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["layers"],
-        num_attention_heads=cfg["attention_heads"],
-        num_key_value_heads=cfg["kv_heads"],
-        head_dim=cfg["head_dim"],
-        max_position_embeddings=cfg["max_context"],
-        tie_word_embeddings=cfg["tie_word_embeddings"],
-        bos_token_id=None,
-        eos_token_id=None,  # random logits must not stop a timed run early
-        pad_token_id=0,
-    )
-    dtype = pick_dtype("auto", device)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
-    model.generation_config.eos_token_id = None
-    use_kvdemo_attention(model)
-    label = f"{cfg['display_name']} shapes, random weights"
-    return LoadedModel(model, IdsOnlyTokenizer(), label, f"random:{cfg['name']}", device, dtype)
-
-
 def e2e_model_and_prompt(source: str, device: torch.device, n_tokens: int, new_tokens: int):
     """(LoadedModel, prompt ids): prose for a real model, seeded random ids for a random-weights one."""
-    from kvdemo.models import DEFAULT_MODEL, ModelLoadError, embedded_gguf, load_model
+    from kvdemo.models import DEFAULT_MODEL, ModelLoadError, embedded_gguf, load_model, random_model
     from kvdemo.texts import prose_ids
 
     if source == DEFAULT_MODEL:

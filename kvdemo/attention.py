@@ -7,8 +7,13 @@ through untouched as `key`/`value` to the attention function registered for the 
 - a short query block (decode, n <= DECODE_MAX_QUERIES): attention over the packed past
   (`past_attention`: Triton on CUDA, blocked PyTorch elsewhere, never a dequantized copy of the
   whole cache) merged by log-sum-exp with exact causal attention over this call's tokens;
-- a long query block over a stored past (a follow-up chat turn): the past is dequantized once for
-  this call and SDPA runs over it plus the exact new states.
+- a long query block over a stored past (a prefill chunk, a follow-up chat turn): the same merge, with
+  the past read piece by piece (`long_past_attention`), so the extra memory is bounded by the chunk.
+
+Masks: the "kvdemo" mask hook (`kvdemo_mask`) builds no mask for plain causal attention without
+padding; causality and sliding windows are then applied here, piece by piece, so no dense
+queries x (past + queries) mask is ever made for a long prompt. A batch of sequences of different
+lengths (kvdemo/batch.py) arrives as a `BatchView` and attends sequence by sequence.
 
 Plain tensors (a DynamicCache, or no cache) go to transformers' own SDPA unchanged.
 
@@ -34,8 +39,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .cache import CacheView
+from .cache import BatchView, CacheView
 from .quant import backend_for, reference  # backend_for: one rule for attention and quantize-on-append
+from .quant.reference import merge  # log-sum-exp merge of partial attentions
 
 BF16_BELOW_FP16_MAX = 65280.0  # the largest bf16 value that is finite in fp16 (65504 rounds up to 65536 in bf16)
 
@@ -101,6 +107,23 @@ def _exact_attention(query, keys, values, scaling, mask, softcap=None):
     return out.reshape(b, hq, n, -1), lse.reshape(b, hq, n)
 
 
+OWN_TILE = 256  # long query blocks attend over their own tokens this many queries at a time
+
+
+def _own_attention(query, keys, values, scaling, mask, softcap):
+    """`_exact_attention` of a call's n queries over its own n tokens, OWN_TILE queries at a time, so the
+    scores held are OWN_TILE x n, not n x n. mask: None or [B|1, 1|Hq, n, n] / [n, n]."""
+    n = query.shape[-2]
+    outs, lses = [], []
+    for a in range(0, n, OWN_TILE):
+        e = min(a + OWN_TILE, n)
+        m = None if mask is None else mask[..., a:e, :e]
+        out, lse = _exact_attention(query[:, :, a:e], keys[:, :, :e], values[:, :, :e], scaling, m, softcap)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
 def _window(mask, sliding_window, n, total, device):
     """`mask` [B, 1|Hq, n, total] (or None) ANDed with a causal sliding window: the query at position p
     (the last n of `total` positions) sees keys at p - window < k <= p (transformers' convention)."""
@@ -118,18 +141,27 @@ def _with_sink_logit(out, lse, s_aux):
     return merge(out, lse, torch.zeros_like(out), sink)
 
 
-def merge(out_a, lse_a, out_b, lse_b):
-    """Combine two partial softmax attentions over disjoint key sets (log-sum-exp weights)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    wa = torch.exp(lse_a - lse).nan_to_num_(0.0).unsqueeze(-1)
-    wb = torch.exp(lse_b - lse).nan_to_num_(0.0).unsqueeze(-1)
-    return out_a * wa + out_b * wb, lse
-
-
 def _bool_mask(attention_mask):
     if attention_mask is None or attention_mask.dtype == torch.bool:
         return attention_mask
     return attention_mask > torch.finfo(attention_mask.dtype).min / 2  # an additive float mask
+
+
+def long_past_attention(query, packed, scaling, mask=None, softcap=None, window=None):
+    """(out, lse) of many queries (a prefill chunk) over a layer's packed past, in memory bounded by the
+    chunk, never by the past: on CUDA the Triton decode kernel over tiles of queries (MAX_BLOCK_M rows per
+    launch); elsewhere, and for masks, softcaps and sliding windows that cut the past, the streamed
+    PyTorch reference (online softmax over pieces of the past)."""
+    b, hq, n, d = query.shape
+    window_cuts = window is not None and packed.length + n > window
+    if backend_for(query.device) == "triton" and mask is None and softcap is None and not window_cuts:
+        from .quant import triton_kernels
+
+        tile = max(1, triton_kernels.MAX_BLOCK_M.get(d, 16) // (hq // packed.kv_heads))  # queries per launch
+        kv = fp16_clamped(packed)
+        parts = [triton_kernels.past_attention(query[:, :, i : i + tile], kv, scaling) for i in range(0, n, tile)]
+        return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+    return reference.past_attention_streamed(query, packed, scaling, mask, softcap, window if window_cuts else None)
 
 
 def attend(
@@ -143,62 +175,67 @@ def attend(
 ) -> torch.Tensor:
     """query [B, Hq, n, D] over the view's stored past + exact new states -> [B, Hq, n, D].
 
+    attention_mask: [B, 1|Hq, n, past + n] as transformers built it, or None: causal, no padding (the
+    "kvdemo" mask hook skips building it); the causal sliding window is applied here either way.
     softcap, sliding_window, s_aux: as the model passes them (see the module docstring)."""
     n, past = query.shape[-2], view.past_len
-    mask = _window(_bool_mask(attention_mask), sliding_window, n, past + n, query.device)
-    if softcap is not None or s_aux is not None:  # SDPA has neither: exact fp32 attention, or the reference
-        if past == 0 or n > DECODE_MAX_QUERIES:
-            keys, values = view.keys, view.values
-            if past:
-                past_k, past_v = view.packed().dequantized()
-                keys, values = torch.cat([past_k, keys], dim=-2), torch.cat([past_v, values], dim=-2)
-            out, lse = _exact_attention(query, keys, values, scaling, mask, softcap)
-            if s_aux is not None:
-                out, lse = _with_sink_logit(out, lse, s_aux)
-            return out.to(query.dtype)
-    if past == 0:
-        out = F.scaled_dot_product_attention(
+    given = _bool_mask(attention_mask)
+    own_mask = _window(None if given is None else given[..., past:], sliding_window, n, n, query.device)  # [n, n]
+    if past == 0 and softcap is None and s_aux is None:
+        return F.scaled_dot_product_attention(
             query,
             view.keys.to(query.dtype),
             view.values.to(query.dtype),
-            attn_mask=mask,
-            is_causal=mask is None and n > 1,
+            attn_mask=own_mask,
+            is_causal=own_mask is None and n > 1,
             scale=scaling,
             enable_gqa=True,
         )
-        return out
-    if n > DECODE_MAX_QUERIES:
-        past_k, past_v = view.packed().dequantized()
-        keys = torch.cat([past_k, view.keys], dim=-2).to(query.dtype)
-        values = torch.cat([past_v, view.values], dim=-2).to(query.dtype)
-        causal = torch.ones(n, past + n, dtype=torch.bool, device=query.device).tril(diagonal=past)
-        full_mask = causal if mask is None else (mask & causal)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=full_mask, scale=scaling, enable_gqa=True)
-    if n == 1 and mask is None and view.stored_exactly():
-        # one decode step whose token the cache still holds exactly (sink or residual): it is just one
-        # more full-precision key of the stored past, so one pass over past + new, no merge
-        out, lse = past_attention(query, view.layer.packed(past + 1), scaling, softcap=softcap)
-    else:
-        past_mask = None if mask is None else mask[..., :past]
-        new_mask = None if mask is None else mask[..., past : past + n]
-        out_p, lse_p = past_attention(query, view.packed(), scaling, past_mask, softcap)
-        out_n, lse_n = _exact_attention(query, view.keys, view.values, scaling, new_mask, softcap)
+    decode_mask = None  # the decode path's dense mask (the observers see it)
+    if past == 0:  # SDPA has no softcap and no sink logit: exact fp32 attention over the call's own tokens
+        out, lse = _own_attention(query, view.keys, view.values, scaling, own_mask, softcap)
+    elif n > DECODE_MAX_QUERIES:  # a prefill chunk or a follow-up turn over a stored past: bounded memory
+        past_mask = None if given is None else given[..., :past]
+        out_p, lse_p = long_past_attention(query, view.packed(), scaling, past_mask, softcap, sliding_window)
+        out_n, lse_n = _own_attention(query, view.keys, view.values, scaling, own_mask, softcap)
         out, lse = merge(out_p, lse_p, out_n, lse_n)
+    else:  # decode: the scores of a few queries over the past (a dense mask is the same size)
+        decode_mask = _window(given, sliding_window, n, past + n, query.device)
+        if n == 1 and decode_mask is None and view.stored_exactly():
+            # one decode step whose token the cache still holds exactly (sink or residual): it is just one
+            # more full-precision key of the stored past, so one pass over past + new, no merge
+            out, lse = past_attention(query, view.layer.packed(past + 1), scaling, softcap=softcap)
+        else:
+            past_mask = None if decode_mask is None else decode_mask[..., :past]
+            new_mask = None if decode_mask is None else decode_mask[..., past : past + n]
+            out_p, lse_p = past_attention(query, view.packed(), scaling, past_mask, softcap)
+            out_n, lse_n = _exact_attention(query, view.keys, view.values, scaling, new_mask, softcap)
+            out, lse = merge(out_p, lse_p, out_n, lse_n)
     if s_aux is not None:
         out, lse = _with_sink_logit(out, lse, s_aux)
-    for fn in observers:
-        fn(view=view, query=query, scaling=scaling, mask=mask, out=out, lse=lse)
+    if past and n <= DECODE_MAX_QUERIES:
+        for fn in observers:
+            fn(view=view, query=query, scaling=scaling, mask=decode_mask, out=out, lse=lse)
     return out.to(query.dtype)
 
 
 def kvdemo_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention-function signature; returns (attn_output [B, n, Hq, D], None)."""
+    if isinstance(key, BatchView):  # sequences of different lengths (kvdemo/batch.py): each over its own past
+        rows = [
+            kvdemo_attention(module, query[b : b + 1], v, v, None, dropout, scaling, **kwargs)[0]
+            for b, v in enumerate(key.views)
+        ]
+        return torch.cat(rows), None
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     softcap, window, s_aux = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
-    if not isinstance(key, CacheView):
+    if not isinstance(key, CacheView):  # plain tensors: queries are the last n of the key positions
+        n, total = query.shape[-2], key.shape[-2]
+        mask = _window(_bool_mask(attention_mask), window, n, total, query.device)
+        if mask is None and 1 < n < total:  # the hook built no mask; SDPA's is_causal would align top-left
+            mask = torch.ones(n, total, dtype=torch.bool, device=query.device).tril(diagonal=total - n)
         if softcap is None and s_aux is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        mask = _window(_bool_mask(attention_mask), window, query.shape[-2], key.shape[-2], query.device)
+            return sdpa_attention_forward(module, query, key, value, mask, dropout, scaling, **kwargs)
         out, lse = _exact_attention(query, key, value, scaling, mask, softcap)
         if s_aux is not None:
             out, _ = _with_sink_logit(out, lse, s_aux)
@@ -211,8 +248,17 @@ def kvdemo_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     return out.transpose(1, 2).contiguous(), None
 
 
+def kvdemo_mask(*args, attention_mask=None, allow_is_causal_skip: bool = True, **kwargs):
+    """transformers' mask hook: no mask at all for causal (or causal sliding-window) attention without
+    padding, whatever the lengths (`attend` applies causality and the window, which the model passes as
+    `sliding_window`); anything else (padding, custom patterns) is transformers' own SDPA mask."""
+    if allow_is_causal_skip and (attention_mask is None or bool(attention_mask.all())):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
 AttentionInterface.register(NAME, kvdemo_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, kvdemo_mask)
 
 
 def use_kvdemo_attention(model) -> None:

@@ -7,7 +7,7 @@ scales/zeros, residual), and attention reads each as a `StoredPart`.
 
 `update()` appends and returns a `CacheView` (the layer plus this call's exact keys/values) that
 the registered attention function (kvdemo/attention.py) reads: prefill attends over the exact
-states, decoding over the packed cache. Buffers grow by 1/16 at a time (`_Growable`); `nbytes()`
+states, decoding over the packed cache. Buffers grow by 1/32 at a time (`_Growable`); `nbytes()`
 counts the bytes of the live data, tensor by tensor, and the bytes allocated.
 """
 
@@ -94,16 +94,28 @@ class CacheView:
         return Layout.holds_exactly(self.layer.regions, self.past_len, self.past_len + self.keys.shape[-2])
 
 
+@dataclass
+class BatchView:
+    """What a batched layer's `update()` hands to attention (kvdemo/batch.py): one `CacheView` per sequence."""
+
+    views: list[CacheView]
+
+    @property
+    def shape(self):  # generic code that peeks at key.shape: the longest sequence
+        _, h, _, d = self.views[0].keys.shape
+        return torch.Size((len(self.views), h, max(v.shape[-2] for v in self.views), d))
+
+
 class _Growable:
     """A tensor with spare capacity along one dim: appends write in place until it is full.
 
-    Capacity grows to what is needed plus 1/16 (at least 4 rows), so the memory a cache holds stays
-    within ~6% of its live bytes (doubling would hold up to 2x and halve the saving quantization buys).
+    Capacity grows to what is needed plus 1/32 (at least 4 rows), so the memory a cache holds stays
+    within ~3% of its live bytes (doubling would hold up to 2x and halve the saving quantization buys).
     A growth copies the buffer once; a quantized buffer grows at most once per flushed block, while
     decoding reads the whole cache every token, so the copies are a small fraction of the work.
     """
 
-    SPARE = 16  # spare capacity = needed // SPARE rows, at least MIN_ROWS
+    SPARE = 32  # spare capacity = needed // SPARE rows, at least MIN_ROWS
     MIN_ROWS = 4
 
     def __init__(self, dim: int = -2):

@@ -364,3 +364,61 @@ def _converted_default() -> Path:
     except OSError:  # another process converted it at the same time
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+# --- random weights: the shapes of a reference config, for measurements that do not need real weights ---
+
+
+class IdsOnlyTokenizer:
+    """The tokenizer of a random-weights model: its token ids stand for no text."""
+
+    eos_token_id = unk_token_id = chat_template = None
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return ""
+
+    def convert_tokens_to_ids(self, token: str):
+        return None
+
+
+def random_model(shape: str | dict, device: torch.device | str = "cpu", dtype: str = "auto") -> LoadedModel:
+    """A Llama-architecture model with random weights and the shapes of a reference config: a name from
+    assets/model_configs (e.g. "llama-3.1-8b") or a dict with the same keys. fp32 on CPU, the 16-bit
+    default on CUDA; runs through kvdemo's attention like any loaded model. Tokens/s and memory do not
+    depend on the weights' values, so measurements of them can use it where real weights are absent."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .attention import use_kvdemo_attention
+
+    if isinstance(shape, str):
+        from .memory import MODEL_CONFIG_DIR, get_model_config
+
+        shape = json.loads((MODEL_CONFIG_DIR / f"{get_model_config(shape).name}.json").read_text())
+    config = LlamaConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["attention_heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=shape["max_context"],
+        tie_word_embeddings=shape["tie_word_embeddings"],
+        bos_token_id=None,
+        eos_token_id=None,  # random logits must not stop a timed run early
+        pad_token_id=0,
+    )
+    device = torch.device(device)
+    dt = pick_dtype(dtype, device)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.generation_config.eos_token_id = None
+    use_kvdemo_attention(model)
+    label = f"{shape.get('display_name', shape['name'])} shapes, random weights"
+    return LoadedModel(model, IdsOnlyTokenizer(), label, f"random:{shape['name']}", device, dt)

@@ -327,7 +327,8 @@ def test_drift_page_runs_on_the_current_document():
     low, int8 = out["results"]
     assert low["mean_js"] > 0  # the document's tokens were quantized in 16-token blocks
     assert int8["mean_js"] == 0  # ~90 tokens < int8's 128-token residual: exact, and the page says so
-    assert any("nothing was quantized" in i.value and "int8" in i.value for i in at.info)
+    assert any("nothing was read from quantized codes" in i.value and "int8" in i.value for i in at.info)
+    assert "int4:g16:r16" not in " ".join(i.value for i in at.info)
     assert len(at.get("plotly_chart")) == 4
 
 

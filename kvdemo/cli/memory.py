@@ -25,6 +25,8 @@ def run_headroom_cli(args) -> dict:
     min(context, model context, MEASURE_TOKENS) tokens of real prose, beside the formulas.
     """
     specs = parse_precision_list(getattr(args, "precision", "full,int8,int4"))
+    if getattr(args, "measure", False):
+        return _measured_headroom(args, specs)
     gpu = get_gpu(getattr(args, "gpu", "h100-80gb"), getattr(args, "gpu_memory_gb", None))
     name = str(getattr(args, "model_config", "llama-3.1-8b")).strip().lower()
     lm = None
@@ -54,12 +56,44 @@ def run_headroom_cli(args) -> dict:
     return out
 
 
+def _measured_headroom(args, specs) -> dict:
+    """`headroom --measure --budget-gb G --context N`: real caches admitted into the budget (kvdemo.scale)."""
+    from ..needle import parse_numbers
+    from ..scale import load_scale_model, measure_headroom
+
+    if not args.budget_gb or args.budget_gb <= 0:
+        raise ValueError("--measure needs --budget-gb G (a memory budget in GB, e.g. 1)")
+    batch_sizes = parse_numbers(args.batch_sizes, "--batch-sizes", int)
+    lm = load_scale_model(args.measure_model)
+    budget = round(args.budget_gb * GB)
+    if lm.weight_bytes() >= budget:
+        raise ValueError(
+            f"the model's weights ({lm.weight_bytes() / GB:.2f} GB) do not fit --budget-gb {args.budget_gb}"
+        )
+    rows = measure_headroom(lm, specs, args.context, budget, batch_sizes)
+    return {
+        "model": lm.name,
+        "dtype": str(lm.dtype).replace("torch.", ""),
+        "budget_bytes": budget,
+        "context": args.context,
+        "max_sequences": {r["precision"]: r["max_sequences"] for r in rows},
+        "measured_max_sequences": {r["precision"]: r["measured_max_sequences"] for r in rows},
+        "tokens_per_s": {r["precision"]: r["tokens_per_s"] for r in rows},
+        "results": rows,
+        "method": "each admitted sequence is a real QuantizedKVCache at the fullest point of a sequence decoding "
+        "to the context (its residual window full); admitted while weights + the caches' allocated bytes fit the "
+        "budget; the formula is kvdemo.memory.sequence_bytes at the model's dtype",
+    }
+
+
 def _gb(x: float) -> str:
     return f"{x / GB:,.2f} GB"
 
 
 def format_headroom(out: dict) -> str:
     """Human-readable headroom report (what `python -m kvdemo headroom` prints without --json)."""
+    if "measured_max_sequences" in out:
+        return _format_measured(out)
     m, g = out["model"], out["gpu_info"]
     lines = [
         f"{m['display_name']}: {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, "
@@ -115,4 +149,18 @@ def format_headroom(out: dict) -> str:
     if out["warnings"]:
         lines.append("")
         lines += [f"warning: {w}" for w in out["warnings"]]
+    return "\n".join(lines)
+
+
+def _format_measured(out: dict) -> str:
+    lines = [
+        f"{out['model']} ({out['dtype']}), budget {_gb(out['budget_bytes'])}, context {out['context']:,} tokens",
+        f"{'precision':<12}{'measured':>10}{'formula':>9}{'ratio':>8}  decode tokens/s by batch size",
+    ]
+    for r in out["results"]:
+        speeds = ", ".join(f"{s['batch']}: {s['tokens_per_s']:.1f}" for s in r["tokens_per_s"])
+        ratio = "" if r["measured_vs_formula"] is None else f"{r['measured_vs_formula']:.3f}"
+        lines.append(
+            f"{r['precision']:<12}{r['measured_max_sequences']:>10}{r['max_sequences']:>9}{ratio:>8}  {speeds}"
+        )
     return "\n".join(lines)

@@ -315,7 +315,7 @@ def past_attention(
     return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
 
 
-SCORE_ELEMENTS = 1 << 24  # streamed attention: scores held at once (query rows x block, fp32: 64 MiB)
+SCORE_ELEMENTS = 1 << 21  # streamed attention: scores held at once (query rows x piece, fp32: 8 MiB)
 
 
 def merge(out_a, lse_a, out_b, lse_b):

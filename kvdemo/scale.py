@@ -1,0 +1,258 @@
+"""Long contexts and many sequences, measured rather than computed.
+
+- `prefill_rows`: prefill N tokens at each precision and measure the process's peak memory: what the
+  run adds is the packed cache plus a workspace (activations of one chunk, one piece of the past turned
+  into floats, one piece of scores) that does not grow with the past. Each row runs in a fresh Python
+  process, so no earlier row's freed memory hides an allocation; the peak is the kernel's high-water
+  mark of resident memory (VmHWM, reset with /proc/self/clear_refs once the model is loaded), an upper
+  bound on what PyTorch held.
+- `measure_headroom`: admit sequences of a given context into a memory budget until the next one would
+  not fit, each a real cache allocated by `QuantizedKVCache` at the fullest state a sequence of that
+  context reaches while decoding (its residual window full), and compare the count with the formula's;
+  then decode batches of them together (kvdemo/batch.py) for tokens/s against batch size.
+
+The default model is a small random-weight Llama-style model (`SCALE_MODEL`): memory and time do not
+depend on the weights' values, and its small hidden size lets 64k-token prompts run on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from .batch import decode_batch
+from .cache import QuantizedKVCache
+from .layout import Layout, region_bytes
+from .models import LoadedModel
+from .precision import PrecisionSpec, parse_precision
+
+SCALE_MODEL = {
+    "name": "small-llama",
+    "display_name": "Small Llama-style model (2 layers, 4 heads, 2 kv heads, head_dim 64)",
+    "layers": 2,
+    "attention_heads": 4,
+    "kv_heads": 2,
+    "head_dim": 64,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "vocab_size": 4096,
+    "tie_word_embeddings": True,
+    "max_context": 1 << 20,
+}
+BATCH_SIZES = (1, 2, 4, 8)
+
+
+def load_scale_model(model: str = "random", device: str = "cpu") -> LoadedModel:
+    """ "random": SCALE_MODEL with random weights; "random:<config>": a reference config's shapes; else
+    anything `load_model` takes (the embedded model, a hub id, a folder)."""
+    from .models import load_model, random_model
+
+    if model == "random":
+        return random_model(SCALE_MODEL, device)
+    if model.startswith("random:"):
+        return random_model(model.removeprefix("random:"), device)
+    return load_model(model, device=device)
+
+
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak() -> None:
+    """Start a new high-water mark of resident memory (Linux: VmHWM := VmRSS)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+@torch.no_grad()
+def measure_prefill(lm: LoadedModel, tokens: int, spec: PrecisionSpec | str, mode: str = "chunked") -> dict:
+    """Prefill `tokens` random token ids at `spec` in this process; its peak memory, split into parts."""
+    from .runner import PREFILL_CHUNK, prefill
+
+    spec = parse_precision(spec)
+    ids = torch.randint(1, lm.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
+    cache = QuantizedKVCache(spec, num_layers=lm.num_layers)
+    gpu = lm.device.type == "cuda"
+    if gpu:
+        torch.cuda.synchronize(lm.device)
+        torch.cuda.reset_peak_memory_stats(lm.device)
+        base = torch.cuda.memory_allocated(lm.device)
+    else:
+        base = _status_bytes("VmRSS")
+        _reset_peak()
+    t0 = time.perf_counter()
+    prefill(lm, ids, cache, mode=mode)
+    if gpu:
+        torch.cuda.synchronize(lm.device)
+    seconds = time.perf_counter() - t0
+    added = (torch.cuda.max_memory_allocated(lm.device) if gpu else _status_bytes("VmHWM")) - base
+    weights = lm.weight_bytes()
+    cache_bytes = cache.nbytes()["allocated"]
+    return {
+        "tokens": tokens,
+        "precision": spec.label,
+        "mode": mode,
+        "chunk": PREFILL_CHUNK,
+        "peak_bytes": weights + added,
+        "cache_bytes": cache_bytes,
+        "weights_bytes": weights,
+        "workspace_bytes": added - cache_bytes,
+        "prefill_s": round(seconds, 3),
+        "peak_measured_by": "torch.cuda.max_memory_allocated" if gpu else "VmHWM (peak resident memory)",
+    }
+
+
+def prefill_rows(
+    tokens: Sequence[int],
+    precisions: Sequence[PrecisionSpec | str],
+    model: str = "random",
+    mode: str = "chunked",
+    device: str = "cpu",
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """`measure_prefill` for every (tokens, precision), each in a fresh process (`python -m kvdemo.scale`)."""
+    rows = []
+    for n in tokens:
+        for spec in precisions:
+            label = parse_precision(spec).label
+            job = json.dumps({"model": model, "tokens": int(n), "precision": label, "mode": mode, "device": device})
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+            done = subprocess.run(
+                [sys.executable, "-m", "kvdemo.scale", job], capture_output=True, text=True, env=env, check=False
+            )
+            if done.returncode:
+                lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+                raise RuntimeError(f"the {n}-token {label} prefill failed: {lines[-1]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            if on_row is not None:
+                on_row(rows[-1])
+    return rows
+
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- headroom, measured ----------------------------------------------------------------------------
+
+
+def fullest_length(
+    spec: PrecisionSpec | str, context: int, layers: int, kv_heads: int, head_dim: int, bits: int
+) -> int:
+    """The length T <= context at which a sequence decoding one token at a time up to `context` holds the
+    most bytes (its residual window fullest): what admitting a sequence of that context must budget for."""
+    layout = Layout(spec)
+    start = max(context - parse_precision(spec).residual - 1, 0)
+    r = layout.regions([start] if start else [])
+    best, best_bytes = context, -1
+    for t in range(start + 1, context + 1):
+        r = layout.after_append(r, 1)
+        size = region_bytes(r, layers, kv_heads, head_dim, spec, bits)["total"]
+        if size > best_bytes:
+            best, best_bytes = t, size
+    return best
+
+
+def sequence_cache(lm: LoadedModel, spec: PrecisionSpec, context: int) -> QuantizedKVCache:
+    """A real cache of one sequence at the fullest point on its way to `context` tokens (random states:
+    bytes do not depend on values): `context - residual - 1` tokens prefilled, then one at a time."""
+    bits = 8 * lm.dtype.itemsize
+    t = fullest_length(spec, context, lm.num_layers, lm.kv_heads, lm.head_dim, bits)
+    start = max(context - spec.residual - 1, 0)
+    cache = QuantizedKVCache(spec, num_layers=lm.num_layers)
+    g = torch.Generator(device="cpu").manual_seed(context)
+    for n in ([start] if start else []) + [1] * (t - start):
+        for i in range(lm.num_layers):
+            shape = (1, lm.kv_heads, n, lm.head_dim)
+            k = torch.randn(shape, generator=g).to(lm.device, lm.dtype)
+            cache.update(k, torch.randn(shape, generator=g).to(lm.device, lm.dtype), i)
+    return cache
+
+
+@torch.no_grad()
+def measure_headroom(
+    lm: LoadedModel,
+    specs: Sequence[PrecisionSpec | str],
+    context: int,
+    budget_bytes: int,
+    batch_sizes: Sequence[int] = BATCH_SIZES,
+    decode_steps: int = 8,
+) -> list[dict]:
+    """Per precision: sequences of `context` tokens admitted into `budget_bytes` (weights + every admitted
+    cache's allocated bytes), beside the formula's count at the model's dtype; decode tokens/s by batch size.
+    """
+    from .memory import config_from_model, sequence_bytes
+
+    cfg = config_from_model(lm)
+    bits = 8 * lm.dtype.itemsize
+    weights = lm.weight_bytes()
+    rows = []
+    for spec in map(parse_precision, specs):
+        seq = sequence_cache(lm, spec, context)
+        admitted, used = [], weights
+        while True:
+            nxt = seq if not admitted else copy.deepcopy(seq)
+            size = nxt.nbytes()["allocated"]
+            if used + size > budget_bytes:
+                break
+            admitted.append(nxt)
+            used += size
+        per_seq = sequence_bytes(cfg, spec, context, full_bits=bits)
+        formula = max(int((budget_bytes - weights) // per_seq), 0)
+        speed = _decode_speeds(lm, admitted, batch_sizes, decode_steps)
+        rows.append(
+            {
+                "precision": spec.label,
+                "context": context,
+                "budget_bytes": budget_bytes,
+                "weights_bytes": weights,
+                "sequence_bytes_measured": admitted[0].nbytes()["allocated"] if admitted else seq.nbytes()["allocated"],
+                "sequence_bytes_formula": round(per_seq),
+                "measured_max_sequences": len(admitted),
+                "max_sequences": formula,
+                "measured_vs_formula": round(len(admitted) / formula, 4) if formula else None,
+                "held_bytes": used,
+                "tokens_per_s": speed,
+            }
+        )
+        del admitted, seq
+    return rows
+
+
+def _decode_speeds(lm: LoadedModel, admitted: list, batch_sizes: Sequence[int], steps: int) -> list[dict]:
+    """Decode tokens/s for batches of the admitted sequences (copies: decoding appends to them)."""
+    out = []
+    for b in batch_sizes:
+        if b > len(admitted):
+            break
+        caches = [copy.deepcopy(c) for c in admitted[:b]]
+        vocab = lm.config.vocab_size
+        first = [torch.zeros(vocab, device=lm.device).index_fill_(0, torch.tensor([1 + i]), 1.0) for i in range(b)]
+        run = decode_batch(lm, caches, first, steps + 1)  # the first token is given: `steps` timed forwards
+        out.append(
+            {"batch": b, "tokens_per_s": round(b * steps / run["decode_s"], 2), "seconds": round(run["decode_s"], 3)}
+        )
+        del caches
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvdemo.scale JOB`: one `measure_prefill` in this fresh process; prints its row as JSON."""
+    job = json.loads((argv or sys.argv[1:])[0])
+    lm = load_scale_model(job["model"], job.get("device", "cpu"))
+    print(json.dumps(measure_prefill(lm, job["tokens"], job["precision"], job["mode"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

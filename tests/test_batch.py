@@ -1,0 +1,32 @@
+"""Batched decode: sequences of different lengths decoded together give each its own greedy tokens."""
+
+import pytest
+
+from kvdemo import runner
+from kvdemo.batch import BatchedKVCache, decode_batch
+from kvdemo.cache import QuantizedKVCache
+from kvdemo.texts import prose_ids
+
+pytestmark = pytest.mark.model
+
+
+@pytest.mark.parametrize("spec", ["int8:g32:r32", "int4:g32:r32:s2"])
+def test_four_sequences_of_different_lengths_decode_as_alone(lm, spec):
+    text = prose_ids(lm, 600)
+    prompts = [text[:90], text[100:300], text[:333], text[120:590]]  # 90, 200, 333, 470 tokens
+    steps = 32  # crosses a flush (every 32 tokens) in every sequence
+    alone = [runner.run_precision(lm, ids, spec, steps).tokens for ids in prompts]
+    caches = [runner.new_cache(lm, spec) for _ in prompts]
+    first = [runner.prefill(lm, ids, cache) for ids, cache in zip(prompts, caches, strict=True)]
+    out = decode_batch(lm, caches, first, steps)
+    assert out["tokens"] == alone
+    assert [c.get_seq_length() for c in caches] == [len(p) + steps - 1 for p in prompts]  # the last is not fed
+    assert all(c.layers[0].regions.has_codes for c in caches)
+
+
+def test_a_batch_needs_caches_of_one_model():
+    with pytest.raises(ValueError, match="at least one"):
+        BatchedKVCache([])
+    a, b = QuantizedKVCache("int4", num_layers=2), QuantizedKVCache("int4", num_layers=3)
+    with pytest.raises(ValueError, match="different numbers of layers"):
+        BatchedKVCache([a, b])
