@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .layout import bytes_per_token
 from .precision import PrecisionSpec, parse_precision
 
 MIB = 2**20
@@ -68,9 +69,9 @@ def from_nbytes(nbytes: dict, dtype: torch.dtype) -> CacheSize:
     return CacheSize(coded + exact, coded + exact * SERVE_BITS / dtype_bits(dtype), dtype_name(dtype))
 
 
-def _token_bytes(lm, spec: PrecisionSpec, full_bits: int) -> float:
-    bits = spec.bits_per_element(lm.head_dim, full_bits=full_bits)
-    return lm.num_layers * lm.kv_heads * lm.head_dim * (bits["key"] + bits["value"]) / 8
+def _token_bytes(lm, spec: PrecisionSpec | str, full_bits: int) -> float:
+    """`layout.bytes_per_token` of anything with num_layers, kv_heads and head_dim (a LoadedModel)."""
+    return bytes_per_token(lm.num_layers, lm.kv_heads, lm.head_dim, spec, full_bits)
 
 
 def per_token(lm, spec: PrecisionSpec | str) -> CacheSize:
@@ -88,8 +89,8 @@ def of_cache(lm, spec: PrecisionSpec | str, live_bytes: int, tokens: int) -> Cac
     slots included) and s sinks, live = q Q + f (T - Q + s) for per-token bytes q (codes) and f (full),
     so Q = (f (T + s) - live) / (f - q); nothing coded: live = f T."""
     spec = parse_precision(spec)
-    full, q = _token_bytes(lm, parse_precision("full"), dtype_bits(lm.dtype)), _token_bytes(lm, spec, SERVE_BITS)
-    full16 = _token_bytes(lm, parse_precision("full"), SERVE_BITS)
+    full, q = _token_bytes(lm, "full", dtype_bits(lm.dtype)), _token_bytes(lm, spec, SERVE_BITS)
+    full16 = _token_bytes(lm, "full", SERVE_BITS)
     exact = tokens
     if spec.is_quantized and full > q and live_bytes < full * tokens - q / 2:
         sinks = min(spec.sinks, tokens)
