@@ -10,11 +10,11 @@ from kvdemo.texts import prose_ids
 pytestmark = pytest.mark.model
 
 
-@pytest.mark.parametrize("spec", ["int8:g32:r32", "int4:g32:r32:s2"])
+@pytest.mark.parametrize("spec", ["int8:g16:r16", "int4:g16:r16:s2"])
 def test_four_sequences_of_different_lengths_decode_as_alone(lm, spec):
-    text = prose_ids(lm, 600)
-    prompts = [text[:90], text[100:300], text[:333], text[120:590]]  # 90, 200, 333, 470 tokens
-    steps = 32  # crosses a flush (every 32 tokens) in every sequence
+    text = prose_ids(lm, 300)
+    prompts = [text[:50], text[100:190], text[:130], text[120:290]]  # 50, 90, 130, 170 tokens
+    steps = 20  # crosses a flush (every 16 tokens) in every sequence
     alone = [runner.run_precision(lm, ids, spec, steps).tokens for ids in prompts]
     caches = [runner.new_cache(lm, spec) for _ in prompts]
     first = [runner.prefill(lm, ids, cache) for ids, cache in zip(prompts, caches, strict=True)]
