@@ -12,6 +12,7 @@ st.set_page_config(page_title="kvdemo: KV-cache quantization", page_icon=":mater
 
 PAGES = [
     st.Page("app_pages/home.py", title="Home", icon=":material/home:", default=True),
+    st.Page("app_pages/findings.py", title="Findings", icon=":material/fact_check:", url_path="findings"),
     st.Page("app_pages/chat.py", title="Chat", icon=":material/chat:", url_path="chat"),
     st.Page("app_pages/needle.py", title="Needle", icon=":material/search:", url_path="needle"),
     st.Page("app_pages/memory.py", title="Memory & headroom", icon=":material/bar_chart:", url_path="memory"),

@@ -31,6 +31,11 @@ DEFAULT_PRECISIONS = ["full", "fp8", "int8", "k8v4", "int4", "int2"]
 lm = common.model()
 spec = common.spec()
 st.title("Memory & headroom")
+st.page_link(
+    "app_pages/findings.py",
+    label="Findings, claims 1, 6, 7: capacity, stacking, the trade-off",
+    icon=":material/fact_check:",
+)
 
 # --- headroom: formulas, instant ------------------------------------------------------------------
 st.subheader("How many sequences fit on a GPU")

@@ -170,7 +170,20 @@ def make_task(
             raise NeedleError(f"a custom needle needs a non-empty {name} (--needle, --question, --answer)")
     if not answer_matches(answer, needle):
         raise NeedleError(f"the answer {answer!r} must appear in the needle sentence {needle!r}")
-    return NeedleTask(kind, needle, question, answer, INSTRUCTIONS[kind], max_new_tokens=MAX_NEW_TOKENS[kind])
+    return NeedleTask(
+        kind, needle, question, answer, INSTRUCTIONS[kind], lead_in(needle, answer), max_new_tokens=MAX_NEW_TOKENS[kind]
+    )
+
+
+def lead_in(needle: str, answer: str) -> str:
+    """The needle's words before its answer ("The secret ingredient of the soup is" for "... is cardamom."),
+    the start of the reply as RULER puts it in the prompt: the answer is then scored where the needle
+    had it, so a found needle scores near 0 and a lost one far below, however the answer begins
+    ("eat a sandwich and ..." scored right after the question costs ~13 nats even when it is known).
+    Empty when the answer opens the needle or is found only after normalisation."""
+    words = [re.escape(w) for w in answer.split()]
+    m = re.search(r"(?<!\w)" + r"\s+".join(words) + r"(?!\w)", needle, flags=re.IGNORECASE) if words else None
+    return needle[: m.start()].rstrip() if m else ""
 
 
 def default_haystack(kind: str) -> tuple[str, str]:

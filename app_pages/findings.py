@@ -1,0 +1,150 @@
+"""Findings: each claim about KV-cache quantization with its verdict on the model, a figure and how it was
+measured. Opens on the report shipped for the embedded model (assets/reports/findings/); re-runs on the
+loaded model with progress and Cancel. The work is `kvdemo.findings`; figures `kvdemo.figures`; files
+`kvdemo.report`."""
+
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from app_pages import common
+from kvdemo import figures, findings, report
+from kvdemo.memory import gpu_presets, model_configs
+
+VERDICT_ICONS = {True: ":material/check_circle:", False: ":material/cancel:", None: ":material/help:"}
+VERDICT_COLORS = {True: "green", False: "red", None: "gray"}
+
+st.title("Findings: what KV-cache quantization buys and costs, measured")
+
+shipped = findings.load()
+partial = st.session_state.get("findings_partial")
+if st.session_state.get("findings_cancel") and partial and partial["found"]["measurements"]:
+    # a re-run interrupted by Cancel: its finished measurements are kept and shown
+    st.session_state["findings_result"] = partial["found"] | {"stopped": "cancelled"}
+    st.session_state["findings_note"] = f"Cancelled: {partial['done']} of {partial['total']} measurements kept."
+    st.session_state.pop("findings_partial", None)
+
+found = st.session_state.get("findings_result") or shipped
+if found is None:
+    st.info("No findings yet: press **Re-run on the loaded model** below (or `python -m kvdemo findings`).")
+
+# --- settings that re-read the numbers (no model work) -----------------------------------------------
+configs, gpus = model_configs(), gpu_presets()
+default = findings.DEFAULT_CONFIG
+c1, c2, c3, c4 = st.columns([2, 2, 1, 2])
+cfg_name = c1.selectbox(
+    "Model config (capacity)", list(configs), index=list(configs).index(default["model_config"]), key="findings_config"
+)
+gpu_name = c2.selectbox("GPU", list(gpus), index=list(gpus).index(default["gpu"]), key="findings_gpu")
+n_gpus = c3.number_input("GPUs", 1, 16, default["gpus"], key="findings_gpus")
+context = c4.select_slider(
+    "Context per sequence",
+    [2048, 4096, 8192, 16384, 32768, 65536, 131072],
+    value=default["context"],
+    key="findings_context",
+)
+budget = st.slider(
+    "Quality budget (claim 7): NLL loss vs full precision, nats/token",
+    0.0,
+    0.2,
+    float(findings.THRESHOLDS["budget_nll_nats"]),
+    0.005,
+    key="findings_budget",
+    help="The cheapest precision whose held-out NLL loss is within this, and whose needle loss is within "
+    f"{findings.THRESHOLDS['needle_ok_nats']} nats",
+)
+config = {"model_config": cfg_name, "gpu": gpu_name, "gpus": int(n_gpus), "context": int(context)}
+
+# --- re-run ----------------------------------------------------------------------------------------------
+lm = common.model()
+c1, c2, c3 = st.columns([2, 1, 3])
+run = c1.button("Re-run on the loaded model", key="findings_run", type="primary")
+c2.button("Cancel", key="findings_cancel", help="Stops the run; the finished measurements are kept")
+quick = c3.toggle("Quick sizes (minutes; the full report takes ~30 min on 2 cores)", value=True, key="findings_quick")
+
+if run:
+    status, bar_slot = st.empty(), st.empty()
+    st.session_state["findings_partial"] = {"found": {"measurements": {}}, "done": 0, "total": 0}
+
+    def work():
+        bar = bar_slot.progress(0.0, text="building the text and the exact states...")
+        start = time.perf_counter()
+
+        def progress(done: int, total: int, message: str) -> None:
+            st.session_state["findings_partial"].update(done=done, total=total)
+            bar.progress(done / max(total, 1), text=f"{done}/{total}: {message} ({time.perf_counter() - start:.0f} s)")
+
+        def keep(partial_found: dict) -> None:
+            st.session_state["findings_partial"]["found"] = partial_found
+
+        return findings.run_findings(lm, quick=quick, config=config, on_progress=progress, on_partial=keep)
+
+    try:
+        out = common.run_exclusive(lm, work, status)
+    finally:
+        bar_slot.empty()
+    st.session_state.pop("findings_partial", None)
+    if out is not None:
+        st.session_state["findings_result"] = out
+        st.session_state["findings_note"] = f"Re-run on {out['model']}: {out['seconds']:.0f} s."
+        found = out
+
+if st.session_state.get("findings_note") and found is not shipped:
+    st.info(st.session_state["findings_note"], icon=":material/info:")
+if found is None:
+    st.stop()
+
+claims = findings.evaluate(found, config, budget)
+view = dict(found) | {"claims": claims}
+source = "the shipped report" if found is shipped else "this session's run"
+st.caption(f"{findings.caption(view)} Showing {source} ({found.get('created', '')}).")
+if found.get("weights_note"):
+    st.caption(found["weights_note"])
+
+st.dataframe(pd.DataFrame(report.verdict_rows(view)), hide_index=True, key="findings_table", width="stretch")
+
+c1, c2 = st.columns(2)
+c1.download_button("Download HTML report", report.render_html(view), "findings.html", "text/html", key="findings_html")
+pdf_file = findings.REPORT_DIR / "findings.pdf"
+if found is shipped and pdf_file.is_file():
+    c2.download_button(
+        "Download PDF report", pdf_file.read_bytes(), "findings.pdf", "application/pdf", key="findings_pdf"
+    )
+elif c2.button("Make the PDF (headless Chromium)", key="findings_make_pdf"):
+    with tempfile.TemporaryDirectory() as d:
+        html_path = Path(d) / "findings.html"
+        html_path.write_text(report.render_html(view), encoding="utf-8")
+        pdf = report.print_pdf(html_path, Path(d) / "findings.pdf")
+        if pdf is None:
+            c2.error("Chromium is not installed (make browser).")
+        else:
+            c2.download_button(
+                "Download PDF report", pdf.read_bytes(), "findings.pdf", "application/pdf", key="findings_pdf"
+            )
+
+for c in claims:
+    st.header(c["title"], divider="gray")
+    st.markdown(f"*{c['claim']}*")
+    v = c["verdict"]
+    st.markdown(f"### :{VERDICT_COLORS[v['holds']]}[{v['word'].capitalize()}]")
+    st.markdown(v["text"])
+    for i, fig in enumerate(figures.findings_figures(view, c["id"])):
+        st.plotly_chart(fig, key=f"findings_fig_{c['id']}_{i}")
+    if c["id"] == "tradeoff" and c["data"]["tradeoff"].get("production"):
+        prod = c["data"]["tradeoff"]["production"]
+        st.markdown("**Production settings of the pick**")
+        st.dataframe(
+            pd.DataFrame(
+                [
+                    {"engine": e, "setting": prod[e]["setting"], "match": prod[e]["match"]}
+                    for e in ("vllm", "llama.cpp", "transformers")
+                ]
+            ),
+            hide_index=True,
+            key="findings_production",
+        )
+    st.caption(f"How it was measured: {c['method']}")
+    st.page_link(c["page"], label="Explore this on its page", icon=":material/arrow_forward:")
