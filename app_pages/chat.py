@@ -19,6 +19,11 @@ DEFAULT_CAP = 256  # tokens per answer at the most; answers usually end earlier,
 lm = common.model()
 spec = common.spec()
 st.title("Chat with a document")
+st.page_link(
+    "app_pages/findings.py",
+    label="Findings: what quantization costs, measured per claim",
+    icon=":material/fact_check:",
+)
 st.page_link("app_pages/findings.py", label="Findings: what quantization costs, measured per claim", icon=":material/fact_check:")
 st.caption(
     "Every question is answered twice: with a full-precision KV cache and with your KV precision (sidebar). "

@@ -15,6 +15,11 @@ from kvdemo.precision import parse_precision_list
 
 lm = common.model()
 st.title("Attention drift")
+st.page_link(
+    "app_pages/findings.py",
+    label="Findings, claims 3-5: keys vs values, per-channel keys, sinks",
+    icon=":material/fact_check:",
+)
 st.page_link("app_pages/findings.py", label="Findings, claims 3-5: keys vs values, per-channel keys, sinks", icon=":material/fact_check:")
 st.caption(
     "The same prompt runs with a full-precision cache and with quantized caches; the same tokens are then "

@@ -16,6 +16,11 @@ from kvdemo.needle import CSV_COLUMNS, KINDS, NeedleError, parse_numbers, run_gr
 
 lm = common.model()
 st.title("Needle in a haystack")
+st.page_link(
+    "app_pages/findings.py",
+    label="Findings, claim 2: long-range recall breaks before short chat",
+    icon=":material/fact_check:",
+)
 st.page_link("app_pages/findings.py", label="Findings, claim 2: long-range recall breaks before short chat", icon=":material/fact_check:")
 st.caption(
     "A fact is hidden at a chosen depth of a long text; the model is asked for it. Each cell runs once at "
