@@ -1,0 +1,211 @@
+"""README's measured tables against the report files shipped in assets/reports/: every number a table
+prints must be the report's value at the printed precision, and the text above each table names the
+report's date. Reads files only (no model), so it runs in well under a second."""
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+from kvdemo import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ROOT / "assets" / "reports"
+README = (ROOT / "README.md").read_text()
+
+
+def _report(name: str) -> dict:
+    return json.loads((REPORTS / name).read_text())
+
+
+def _tables() -> list[tuple[int, list[str], list[list[str]]]]:
+    """Every markdown table in README: (character offset, header cells, body rows of cells)."""
+    out, lines, offset, i = [], README.split("\n"), [0], 0
+    for line in lines:
+        offset.append(offset[-1] + len(line) + 1)
+    while i < len(lines):
+        if lines[i].lstrip().startswith("|") and i + 1 < len(lines) and re.match(r"\s*\|[-| :]+\|\s*$", lines[i + 1]):
+            start, rows = i, []
+            i += 2
+            while i < len(lines) and lines[i].lstrip().startswith("|"):
+                rows.append(_cells(lines[i]))
+                i += 1
+            out.append((offset[start], _cells(lines[start]), rows))
+        else:
+            i += 1
+    return out
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _table(header: list[str]) -> tuple[int, list[list[str]]]:
+    found = [(at, rows) for at, head, rows in _tables() if head == header]
+    assert len(found) == 1, f"README should hold exactly one table with header {header}, found {len(found)}"
+    return found[0]
+
+
+def _printed(cell: str, value: float) -> bool:
+    """Whether `cell` (e.g. "1.08e-05", "+0.012", "49,397,760", "0.50x") is `value` at the cell's precision."""
+    text = cell.replace(",", "").rstrip("x").lstrip("+").strip()
+    if "e" in text:
+        digits = len(text.split("e")[0].partition(".")[2])
+        return float(f"{value:.{digits}e}") == float(text)
+    digits = len(text.partition(".")[2])
+    return f"{value:.{digits}f}".replace("-0.000", "0.000") == text.replace("-0.000", "0.000")
+
+
+def _says_date(at: int, date: str, within: int = 2500) -> None:
+    """The README text just above a table (the paragraph introducing it) names the report's date."""
+    assert date[:10] in README[max(0, at - within) : at], f"the text above the table at {at} should say {date[:10]}"
+
+
+def _fraction(cell: str) -> tuple[int, int]:
+    a, b = cell.split("/")
+    return int(a), int(b)
+
+
+# --- bench -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bench.json", "bench_1k.json"])
+def test_bench_tables_are_the_reports_tables(name):
+    """The README carries each bench report's table as `kvdemo.bench.markdown_table` prints it."""
+    report = _report(name)
+    table = bench.markdown_table(report).split("\n\n")[0]
+    assert table in README, f"README's table for assets/reports/{name} differs from the report"
+    _says_date(README.index(table), report["machine"]["date"])
+
+
+def test_key_vs_value_table_is_the_reports():
+    report = _report("bench_1k.json")
+    text = bench.markdown_table(report)
+    block = text[text.index("| measure | 4-bit keys |") :].split("\n\n")[0].strip()
+    assert block in README
+
+
+def test_decode_window_table_matches_the_reports():
+    at, rows = _table(
+        ["report", "context", "contender", "decode vs full", "flushes in window", "step ms", "flush step ms"]
+    )
+    assert rows
+    for cells in rows:
+        report = _report(cells[0].strip("`").split("/")[-1])
+        row = {r["contender"]: r for r in report["results"]}[cells[2].strip("`")]
+        ctx = cells[1]
+        assert _printed(cells[3], row["decode_speed_vs_full"][ctx]), cells
+        win = row.get("decode_window", {}).get(ctx)
+        if win is None:  # a report from before the window crossed flushes: it did not count them
+            assert cells[4:] == ["not counted", "", ""], cells
+            continue
+        assert cells[4] == f"{win['flushes']} in {win['steps']} steps", cells
+        assert _printed(cells[5], win["median_step_ms"]), cells
+        assert cells[6] == "" if win["mean_flush_step_ms"] is None else _printed(cells[6], win["mean_flush_step_ms"])
+    _says_date(at, _report("bench_1k.json")["machine"]["date"])
+
+
+# --- memory, drift, needle ----------------------------------------------------------------------------
+
+
+def test_memory_table_matches_memory_json():
+    report = _report("memory.json")
+    at, rows = _table(["precision", "bytes", "ratio vs fp16", "bits/element"])
+    results = {r["precision"]: r for r in report["results"]}
+    assert len(rows) == len(results)
+    for cells in rows:
+        r = results[cells[0].split()[0]]
+        assert int(cells[1].replace(",", "")) == r["bytes"], cells
+        assert _printed(cells[2], r["ratio_vs_fp16"]), cells
+        assert _printed(cells[3].split()[0], r["bits_per_element"]), cells
+    _says_date(at, report["provenance"]["date"])
+    assert report["provenance"]["command"] in README
+
+
+def test_drift_table_matches_drift_json():
+    report = _report("drift.json")
+    at, rows = _table(["precision", "mean JS", "mean KL", "top-10 overlap", "output cosine", "logit KL mean"])
+    results = {r["precision"]: r for r in report["results"]}
+    assert len(rows) == len(results)
+    for cells in rows:
+        r = results[cells[0]]
+        values = [r["mean_js"], r["mean_kl"], r["topk_overlap"], r["output_cosine"], statistics.fmean(r["logit_kl"])]
+        assert all(_printed(c, v) for c, v in zip(cells[1:], values, strict=True)), cells
+    _says_date(at, report["provenance"]["date"])
+    assert report["provenance"]["command"] in README
+    head = README[max(0, at - 600) : at]
+    assert f"prompt {report['prompt_tokens']} tokens, {report['new_tokens']} queries" in head
+
+
+def test_drift_sink_claim_matches_drift_json():
+    """ "`:s4` ... cuts int4's logit KL N x": int4's mean logit KL over int4:s4's."""
+    results = {r["precision"]: r for r in _report("drift.json")["results"]}
+    claim = re.search(r"cuts int4's logit KL ([\d.]+)x", README)
+    assert claim, "README's drift section should state the sinks' effect"
+    ratio = statistics.fmean(results["int4"]["logit_kl"]) / statistics.fmean(results["int4:s4"]["logit_kl"])
+    assert _printed(claim.group(1), ratio)
+
+
+NEEDLE_FILES = {"passkey": "needle_passkey.json", "multikey": "needle_multikey.json"}
+
+
+def test_needle_table_matches_needle_reports():
+    at, rows = _table(["kind", "precision", "found", "mean log p", "vs full", "agree", "grid time"])
+    report, seen = None, set()
+    for cells in rows:
+        if cells[0]:
+            kind = cells[0].split()[0]
+            report = _report(NEEDLE_FILES[kind])
+            assert report["kind"] == kind
+            summary = {s["precision"]: s for s in report["summary"]}
+            seen.add(kind)
+            _says_date(at, report["provenance"]["date"])
+            assert report["provenance"]["command"] in README
+        s = summary[cells[1]]
+        assert _fraction(cells[2]) == (s["correct"], s["cells"]), cells
+        assert _printed(cells[3], s["mean_answer_logprob"]), cells
+        if s["precision"] == "full" or s["mean_logprob_change"] is None:  # full against itself: left blank
+            assert cells[4] == "" and cells[5] == "", cells
+        else:
+            assert _printed(cells[4], s["mean_logprob_change"]), cells
+            assert _fraction(cells[5]) == (s["agree_with_full"], s["cells"]), cells
+        if cells[6]:
+            assert cells[6] == f"{len(report['rows'])} runs in {report['seconds']:.0f} s", cells
+    assert seen, "the needle table should name its report"
+
+
+def test_drift_key_value_claims_match_drift_json():
+    """The drift section's key-vs-value ratios: attention JS and the end-to-end logit KL, k4v8 over k8v4."""
+    results = {r["precision"]: r for r in _report("drift.json")["results"]}
+    js = re.search(r"move attention ([\d.]+)x more", README)
+    kl = re.search(r"the next-token logit KL above gives ([\d.]+)x", README)
+    assert js and kl, "README's drift section should state both ratios"
+    assert _printed(js.group(1), results["k4v8"]["mean_js"] / results["k8v4"]["mean_js"])
+    ratio = statistics.fmean(results["k4v8"]["logit_kl"]) / statistics.fmean(results["k8v4"]["logit_kl"])
+    assert _printed(kl.group(1), ratio)
+
+
+def test_bench_prose_figures_match_the_reports():
+    """Figures the bench section quotes outside its tables: the 4k speed goal and quanto's set-up times."""
+    old, one = _report("bench.json"), _report("bench_1k.json")
+    speed = re.search(r"not met in that run\*\*: ([\d.]+)x", README)
+    assert speed and _printed(speed.group(1), old["goals"][1]["measured"]["speedup"])
+    setup = {r["contender"]: r["setup_s"] for r in old["results"]}["hf-quanto-int4"]
+    assert re.search(rf"quanto's set-up \(`setup_s`\) was\s+{setup:.2f} s there", README)
+    setup = {r["contender"]: r["setup_s"] for r in one["results"]}["hf-quanto-int4"]
+    assert re.search(rf"`setup_s` \({setup:.0f} s\)", README)
+
+
+def test_bench_1k_prose_figures_match_the_report():
+    one = _report("bench_1k.json")
+    sv = one["scheme_vs_implementation"]
+    k = "kvdemo-int4:ktoken:g64"
+    m = re.search(r"`kvdemo-int4:ktoken:g64` ran at ([\d.]+)x `hf-quanto-int4` and ([\d.]+)x `kvdemo-int4`", README)
+    assert m and _printed(m.group(1), sv[f"decode speed {k} / hf-quanto-int4"])
+    assert _printed(m.group(2), sv[f"decode speed {k} / kvdemo-int4"])
+    speed = re.search(r"kvdemo int4 at ([\d.]+)x quanto int4's", README)
+    assert speed and _printed(speed.group(1), one["goals"][1]["measured"]["speedup"])
+    kv = re.search(r"4-bit keys cost ([\d.]+)x the logit KL of 4-bit values", README)
+    assert kv and _printed(kv.group(1), one["key_vs_value"]["measures"]["logit_kl@2048"]["ratio"])
