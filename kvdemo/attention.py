@@ -114,6 +114,12 @@ def _own_attention(query, keys, values, scaling, mask, softcap):
     """`_exact_attention` of a call's n queries over its own n tokens, OWN_TILE queries at a time, so the
     scores held are OWN_TILE x n, not n x n. mask: None or [B|1, 1|Hq, n, n] / [n, n]."""
     n = query.shape[-2]
+    if mask is None and softcap is None:  # causal only: the fused CPU kernel (GQA: K/V repeated per head)
+        grp = query.shape[1] // keys.shape[1]
+        k, v = keys.repeat_interleave(grp, dim=1), values.repeat_interleave(grp, dim=1)
+        fused = reference.flash_attention(query, k, v, scaling, causal=True)
+        if fused is not None:
+            return fused
     outs, lses = [], []
     for a in range(0, n, OWN_TILE):
         e = min(a + OWN_TILE, n)

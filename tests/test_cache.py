@@ -220,3 +220,17 @@ def test_streamed_past_attention_equals_the_one_pass(spec, window, monkeypatch):
     out, lse = reference.past_attention_streamed(q, kv, D**-0.5, holes, 5.0, window)
     torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["int4:s4", "k8v4:ktoken", "int2:g16:r32", "full"])
+def test_streamed_past_attention_through_the_fused_kernel(spec, monkeypatch):
+    """Without a mask, softcap or window the CPU path dequantizes pieces of the past and runs PyTorch's
+    fused flash-attention kernel on each: the same output and log-sum-exp as the one-pass reference."""
+    cache, _, _ = _fill(spec, 1300)
+    kv = cache.layers[0].packed()
+    q = torch.randn(B, HQ, 33, D, generator=torch.Generator().manual_seed(12))
+    want_out, want_lse = reference.past_attention(q, kv, D**-0.5)
+    monkeypatch.setattr(reference, "CPU_BLOCK", 512)  # three pieces of codes
+    out, lse = reference.past_attention_streamed(q, kv, D**-0.5)
+    torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=1e-4)

@@ -318,6 +318,34 @@ def past_attention(
 SCORE_ELEMENTS = 1 << 21  # streamed attention: scores held at once (query rows x piece, fp32: 8 MiB)
 
 
+def flash_attention(query, keys, values, scaling: float, causal: bool = False):
+    """(out fp32, lse fp32 [B, H, M]) of query [B, H, M, D] over keys/values [B, H, L, D] with PyTorch's fused
+    CPU flash-attention kernel (tiled: no M x L scores), or None where it is missing or not on the CPU.
+    causal: query i sees keys [0, i] (M == L). The kernel is private API of the pinned torch, probed once."""
+    if query.device.type != "cpu" or not _FLASH:
+        return None
+    q, k, v = (t.float().contiguous() for t in (query, keys, values))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)
+    return out, lse
+
+
+_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _segment_tensors(kv, part: str, kind: str, lo: int, hi: int) -> torch.Tensor:
+    """Keys or values of positions [lo, hi) of one piece of the past, as fp32 [B, H, hi - lo, D]."""
+    stored = getattr(kv, part)
+    r = kv.regions
+    if kind != "coded":
+        offset = 0 if kind == "sinks" else r.residual_start
+        return (stored.sinks if kind == "sinks" else stored.residual)[:, :, lo - offset : hi - offset].float()
+    q = stored.quantized
+    if q.axis == "channel":  # whole groups of tokens, sliced to [lo, hi)
+        a, e = (lo // q.group) * q.group, -(-hi // q.group) * q.group
+        return dequantize(_rows(q, a, e))[:, :, lo - a : hi - a]
+    return dequantize(_rows(q, lo, hi))
+
+
 def merge(out_a, lse_a, out_b, lse_b):
     """Combine two partial softmax attentions over disjoint key sets (log-sum-exp weights)."""
     lse = torch.logaddexp(lse_a, lse_b)
@@ -369,7 +397,9 @@ def past_attention_streamed(
 
     The past is read piece by piece (sinks, coded blocks, residual) with an online softmax: at any time
     one piece's scores (query rows x piece, at most SCORE_ELEMENTS fp32) and one piece of codes turned
-    into floats are held, never scores over the whole past nor a float copy of it.
+    into floats are held, never scores over the whole past nor a float copy of it. Without a mask, softcap
+    or window, on the CPU, each piece (CPU_BLOCK positions, dequantized) goes through PyTorch's fused
+    flash-attention kernel instead, which holds no scores at all.
     query: [B, Hq, n, D], the queries at positions kv.length + i (they follow the whole stored past);
     mask: optional bool [B, 1 or Hq, n, length]; softcap as in `past_attention`; window: a sliding
     window (query at p sees keys k > p - window). Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]).
@@ -383,6 +413,11 @@ def past_attention_streamed(
     q_pos = (kv.length + torch.arange(n, device=query.device)).repeat(grp)  # [M] the row's position
     out = torch.zeros(b, hkv, rows, d, dtype=torch.float32, device=query.device)
     lse = torch.full((b, hkv, rows), float("-inf"), dtype=torch.float32, device=query.device)
+    if mask is None and softcap is None and window is None and query.device.type == "cpu" and _FLASH:
+        for kind, lo, hi in _segments(r, CPU_BLOCK):  # the fused kernel over dequantized pieces of the past
+            k, v = _segment_tensors(kv, "keys", kind, lo, hi), _segment_tensors(kv, "values", kind, lo, hi)
+            out, lse = merge(out, lse, *flash_attention(qg, k, v, scaling))
+        return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
     for kind, lo, hi in _segments(r, block):
         if window is not None and hi <= int(q_pos.min()) - window + 1:
             continue  # every query's window starts after this piece
