@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -482,12 +483,14 @@ def test_embedded_model_same_greedy_tokens_on_both_backends(lm, monkeypatch):
 @pytest.mark.model
 @pytest.mark.skipif(DEVICE != "cpu", reason="the smoke run is the interpreter's; on a GPU the benchmark runs for real")
 def test_gpu_benchmark_smoke(tmp_path):
-    """Every section of bench/gpu_attention.py runs and writes its JSON (a slice of --smoke: the
-    end-to-end part on the torch backend only; the interpreter needs minutes for 30 layers)."""
+    """Every section of bench/gpu_attention.py but the long-context one (its own test below) runs and writes
+    its JSON (a slice of --smoke: the end-to-end part on the torch backend only; the interpreter needs
+    minutes for 30 layers)."""
     out = tmp_path / "gpu_attention.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     env.pop("KVDEMO_BACKEND", None)
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--smoke", "--out", str(out)]
+    cmd += ["--sections", "copy,quantize,decode,sweep,floors,e2e"]
     cmd += ["--contexts", "96", "--batches", "1,2", "--formats", "int4,fp8_e4m3"]
     cmd += ["--quant-formats", "int8,int4,fp8_e4m3", "--e2e-backends", "torch", "--e2e-precisions", "int4"]
     cmd += ["--models", "embedded,random:smollm2-135m", "--sweep", "on"]
@@ -527,15 +530,21 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert "measured_over_issue_floor" not in int4  # smoke times measure nothing
 
 
-def test_gpu_benchmark_embedded_stand_in(monkeypatch):
-    """Where the embedded model is not installed (the device machine), its shapes run with random weights."""
+def _gpu_bench():
+    """bench/gpu_attention.py as a module."""
     import importlib.util
-
-    from kvdemo import models
 
     spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "bench" / "gpu_attention.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_gpu_benchmark_embedded_stand_in(monkeypatch):
+    """Where the embedded model is not installed (the device machine), its shapes run with random weights."""
+    from kvdemo import models
+
+    bench = _gpu_bench()
 
     def missing():
         raise models.ModelLoadError("the embedded model is missing")
@@ -545,3 +554,94 @@ def test_gpu_benchmark_embedded_stand_in(monkeypatch):
     assert lm.source == "random:smollm2-135m" and "random weights" in lm.name
     assert lm.model.config.num_hidden_layers == 30 and lm.model.config.num_key_value_heads == 3
     assert len(ids) == 24
+
+
+@pytest.mark.model
+@pytest.mark.skipif(DEVICE != "cpu", reason="the smoke run is the interpreter's; on a GPU the benchmark runs for real")
+def test_gpu_benchmark_long_context_smoke(tmp_path):
+    """The long-context section (--smoke: kvdemo.scale's small model at 2304 tokens, int4 and full, its first
+    layer at 4096 tokens, and one row through the Triton query tiles under the interpreter) writes rows
+    with their peak memory split, the formula's cache bytes beside the measured ones, and what ran over
+    the packed past."""
+    out = tmp_path / "gpu_long.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env.pop("KVDEMO_BACKEND", None)
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--smoke", "--sections", "long", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "errors" not in report and list(report["section_s"]) == ["long"]
+    assert _gpu_bench().SECTIONS[-1] == "long"  # after the goal-point sections
+    rows = report["long"]
+    assert [(r["tokens"], r["precision"], r["layers"]) for r in rows] == [
+        (2304, "int4:g32:r32", 2),
+        (2304, "full", 2),
+        (4096, "int4:g32:r32", 1),
+        (2065, "int4:g32:r32", 1),
+    ]
+    for r in rows:
+        assert "skipped" not in r and "error" not in r, r
+        assert r["peak_bytes"] > r["weights_bytes"] > 0 and r["cache_bytes"] > 0 and r["prefill_s"] > 0
+        assert r["peak_bytes"] == r["weights_bytes"] + r["cache_bytes"] + r["workspace_bytes"]
+        assert 1.0 <= r["cache_vs_formula"] <= 1.1  # allocated: the live bytes (the formula) + growth spare
+        coded = r["bytes_per_token_formula"] * r["tokens"]  # the bytes/token rate at every position
+        if r["regions"]["residual"] and r["precision"] != "full":  # residual tokens at full precision: more
+            assert r["cache_bytes_formula"] > coded
+        else:
+            assert r["cache_bytes_formula"] == round(coded)
+        assert 0 < r["past_attention_s"] <= r["prefill_s"]
+        chunks = -(-r["tokens"] // r["chunk"])
+        assert r["long_past_calls"] == r["layers"] * (chunks - 1)  # every chunk after the first, every layer
+    int4, full, longest, tiles = rows
+    assert int4["workspace_bytes"] > 0  # the first row: a fresh process
+    assert int4["cache_bytes_formula"] * 6 < full["cache_bytes_formula"]  # 5 bits vs fp32 (the CPU dtype)
+    assert 0 < longest["estimated_s"] and "its first 1 of 2 layers" in longest["model"]
+    for r in (int4, full, longest):  # the CPU path: the streamed reference over the past
+        assert r["backend"] == "torch" and r["reference_streamed_calls"] == r["long_past_calls"]
+    # the GPU path: one chunk of 17 queries, Llama-8B groups of 4 -> tiles of 16 rows and 1 row
+    assert tiles["backend"] == "triton" and tiles["check"] == "triton query tiles"
+    assert tiles["triton_calls"] == 2 and tiles["reference_streamed_calls"] == tiles["reference_calls"] == 0
+
+
+def test_gpu_benchmark_long_context_budget(monkeypatch):
+    """The long section's time budget: a row that runs past it is stopped and recorded, a row that would not
+    fit is skipped with its estimate, the max row gets fewer layers when time is short."""
+    bench = _gpu_bench()
+    ref = {"tokens": 131072, "layers": 32, "prefill_s": 40.0, "past_attention_s": 30.0}
+    # per layer at 1M: (30 s x 8^2 + 10 s x 8) / 32 = 62.5 s
+    assert bench.max_row_layers(ref, 1 << 20, 2, left_s=300, fixed_s=10) == (2, 135.0)
+    assert bench.max_row_layers(ref, 1 << 20, 2, left_s=100, fixed_s=10) == (1, 72.5)
+    assert bench.max_row_layers(ref, 1 << 20, 2, left_s=60, fixed_s=10) == (0, 72.5)
+
+    class Worker:  # the int4 context row as measured above, the full one never answers
+        def __init__(self):
+            self.jobs = []
+
+        def ended(self):
+            return False
+
+        def run(self, job, timeout_s):
+            self.jobs.append(job)
+            return ref | {"warmup_s": 1.0, "load_s": 9.0} if job["precision"].startswith("int4") else None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(bench, "LongWorker", Worker)
+    seen = []
+    rows = bench.bench_long(torch.device("cpu"), bench.parse_args(["--long-budget-s", "60"]), float("inf"), seen.append)
+    assert len(seen) == 3 and seen[-1] is rows
+    int4, full, longest = rows
+    assert int4["prefill_s"] == 40.0 and int4["precision"] == "int4:g128:r128" and int4["tokens"] == 131072
+    assert full["precision"] == "full" and full["skipped"].startswith("time budget: stopped after")
+    assert longest["tokens"] == 1 << 20 and longest["skipped"].startswith("time budget: one layer estimated at 72 s")
+    assert longest["estimated_s"] == 72.5 and longest["layers"] == 1
+    # 40 s left after the int4 row: the full row (estimated as the int4 one, 41 s) is not started
+    _, full, _ = bench.bench_long(torch.device("cpu"), bench.parse_args(["--long-budget-s", "40"]), float("inf"))
+    assert full["skipped"].startswith("time budget: estimated 41 s as the row above")
+    # the section also ends by the deadline it is given (device_check.sh: before its timeout)
+    rows = bench.bench_long(torch.device("cpu"), bench.parse_args([]), time.perf_counter() - 1)
+    assert all(r["skipped"] == "time budget: none left" for r in rows[:2])
