@@ -10,7 +10,8 @@ import streamlit as st
 from app_pages import common
 from kvdemo.chat import ChatError, ChatSession, Turn, divergence_split
 from kvdemo.lanes import Answer
-from kvdemo.runner import Cancelled
+from kvdemo.prefill_modes import MODE_HELP
+from kvdemo.runner import PREFILL_MODES, Cancelled
 from kvdemo.sizes import cache_caption
 
 STOPPING_WAIT_S = 60  # a stopped answer ends at its next token (a prefill chunk at the most)
@@ -42,10 +43,11 @@ with st.expander("Document", expanded=True):  # constant: a changing value would
     doc = common.document_picker(lm, key="doc", replacing_ends=replacing_ends)
 doc_text = doc["text"] if doc else ""
 
+common.persist("chat_prefill_mode", "chunked")
 if session is None or session.lm is not lm:
     if session is not None and session.turns:
         st.info("A different model is loaded: the conversation starts again (the document is kept).")
-    session = ChatSession(lm, spec, doc_text)
+    session = ChatSession(lm, spec, doc_text, prefill_mode=st.session_state["chat_prefill_mode"])
     st.session_state["chat_session"] = session
 else:
     if session.document != doc_text.strip():
@@ -66,6 +68,15 @@ max_new = int(
 read_now = c2.button("Read document now", key="chat_prepare", help="Prefill the document into both caches now")
 if c3.button("New chat", key="chat_reset"):
     session.reset()
+mode = st.radio(
+    f"Prefill: how the document enters the {spec.label} cache",
+    PREFILL_MODES,
+    key="chat_prefill_mode",
+    horizontal=True,
+    captions=[MODE_HELP[m] for m in PREFILL_MODES],
+    help="Changing it keeps the chat; the quantized cache reads the document again at the next question.",
+)
+session.set_prefill_mode(mode)
 
 
 def answer_caption(a: Answer) -> str:

@@ -9,9 +9,10 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures, rates
+from kvdemo import figures, prefill_modes, rates, runner
 from kvdemo.drift import document_prompt, run_drift, unquantized
 from kvdemo.precision import parse_precision_list
+from kvdemo.runner import PREFILL_MODES
 
 lm = common.model()
 st.title("Attention drift")
@@ -47,16 +48,35 @@ budget = max(lm.max_context - 64, 64)
 choices = [c for c in common.precision_choices(["int8", "int2"]) if c != "full"]
 common.persist("drift_tokens", min(1024, budget))
 common.persist("drift_new_tokens", 16)
+common.persist("drift_prefill_mode", "chunked")
 picked_before = common.persist("drift_precisions", list(dict.fromkeys([common.spec().label, "int8", "int2"])))
 st.session_state["drift_precisions"] = [p for p in picked_before if p in choices]
 c1, c2, c3 = st.columns([1, 3, 1])
 tokens = int(c1.number_input("Document tokens", 32, budget, step=64, key="drift_tokens"))
 picked = c2.multiselect("Quantized precisions", choices, key="drift_precisions")
 new_tokens = int(c3.number_input("Generated tokens", 1, 256, key="drift_new_tokens"))
+prefill_mode = st.radio(
+    "Prefill: how each quantized cache stores the document",
+    PREFILL_MODES,
+    key="drift_prefill_mode",
+    horizontal=True,
+    captions=[prefill_modes.MODE_HELP[m] for m in PREFILL_MODES],
+)
 run = st.button("Run drift", key="drift_run", type="primary")
 QUESTION_TOKENS = 32  # the question and chat template around the document (a rough count, for the hint)
 work_tokens = (tokens + QUESTION_TOKENS + new_tokens) * (len(picked) + 1)  # full precision + each picked
 st.caption(rates.hint(lm, "drift", work_tokens, f"{tokens:,} tokens at {len(picked) + 1} precisions"))
+
+
+def prompt_now() -> tuple[list[int], int]:
+    """The chat-templated prompt of the chosen text cut to `tokens` tokens, and the text's token count."""
+    from kvdemo.documents import fit_to_context
+    from kvdemo.texts import prose
+
+    text = doc["text"] if source == "document" and doc else prose()
+    text, n, _ = fit_to_context(text, lm.tokenizer, tokens)
+    return document_prompt(lm, text), n
+
 
 if run:
     if not picked:
@@ -65,11 +85,7 @@ if run:
         status = st.empty()
 
         def work() -> dict:
-            from kvdemo.documents import fit_to_context
-            from kvdemo.texts import prose
-
-            text = doc["text"] if source == "document" and doc else prose()
-            text, n, _ = fit_to_context(text, lm.tokenizer, tokens)
+            prompt, n = prompt_now()
             specs = parse_precision_list(",".join(picked))
             bar = st.progress(0.0, text="full precision")
             done = [0]
@@ -79,7 +95,7 @@ if run:
                 done[0] += 1
 
             start = time.perf_counter()
-            out = run_drift(lm, document_prompt(lm, text), specs, new_tokens=new_tokens, on_progress=progress)
+            out = run_drift(lm, prompt, specs, new_tokens, on_progress=progress, prefill_mode=prefill_mode)
             done_tokens = (out["prompt_tokens"] + out["new_tokens"]) * (len(specs) + 1)
             rates.record(lm, "drift", done_tokens, time.perf_counter() - start)
             bar.empty()
@@ -91,6 +107,34 @@ if run:
         if result is not None:
             st.session_state["drift_result"] = result
 
+with st.expander("Compare prefill modes for one precision", expanded="drift_modes_result" in st.session_state):
+    st.caption(
+        "This text, these tokens and generated tokens, one precision, with the document stored exact and chunked "
+        "against one full-precision reference. The modes differ only when the prompt spans more than one "
+        f"prefill chunk ({runner.PREFILL_CHUNK:,} tokens)."
+    )
+    c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
+    m_spec = c1.selectbox("Precision", picked or [common.spec().label], key="drift_modes_precision")
+    if c2.button("Compare prefill modes", key="drift_compare"):
+        modes_status = st.empty()
+
+        def compare() -> dict:
+            prompt, n = prompt_now()
+            return prefill_modes.drift_modes(lm, prompt, [m_spec], new_tokens) | {"document_tokens": n}
+
+        result = common.run_exclusive(lm, compare, modes_status)
+        if result is not None:
+            st.session_state["drift_modes_result"] = result
+    modes = st.session_state.get("drift_modes_result")
+    if modes is not None:
+        st.markdown(
+            f"**{modes['prompt_tokens']:,}-token prompt ({modes['chunks']} prefill chunks), "
+            f"{modes['new_tokens']} queries**"
+        )
+        for line in prefill_modes.headlines(drift=modes):
+            st.markdown(line)
+        st.dataframe(pd.DataFrame(prefill_modes.summary_rows(drift=modes)), hide_index=True, key="drift_modes_table")
+
 out = st.session_state.get("drift_result")
 if out is None:
     st.info("Pick precisions and press **Run drift**.")
@@ -98,6 +142,7 @@ if out is None:
 
 st.subheader(f"{out['document']}: {out['prompt_tokens']:,}-token prompt, {out['new_tokens']} generated tokens")
 st.caption(f"Full precision continued with: {out['generated']!r}")
+st.caption(f"Prefill: {prefill_modes.describe(out.get('prefill_mode', 'chunked'))}")
 keys = out["prompt_tokens"] + out["new_tokens"]
 exact = unquantized(out)
 if exact:

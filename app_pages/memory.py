@@ -1,6 +1,7 @@
 """Memory & headroom: live cache bytes of the loaded model next to the formula, and how many sequences
 fit on a GPU at each KV precision (`kvdemo.memory.headroom`), with the nearest production settings
-(`kvdemo.production`) and, when present, the benchmark report (reports/bench.json)."""
+(`kvdemo.production`), the count measured with real caches in a budget on this machine
+(`kvdemo.scale.measure_headroom`) and, when present, the benchmark report (reports/bench.json)."""
 
 import json
 from pathlib import Path
@@ -201,6 +202,83 @@ if measured is not None:
     frame = pd.DataFrame(rows)
     st.dataframe(frame, hide_index=True, key="mem_table")
     st.bar_chart(frame, x="precision", y=f"live MiB ({measured['dtype']})")
+
+# --- measured headroom: real caches admitted into a budget ---------------------------------------
+st.subheader("Measured on this machine: sequences in a memory budget")
+st.caption(
+    "Real caches, not the formula: sequences of the chosen context are admitted while the weights plus every "
+    "admitted cache's allocated bytes fit the budget, each at its fullest point (residual window full); then "
+    "batches of them decode together for tokens/s (`kvdemo.scale.measure_headroom`). The small random-weight "
+    "model has a Llama layout (memory and speed do not depend on the weights' values)."
+)
+SCALE_MODELS = {"random": "Small random Llama-style model (2 layers)", "loaded": f"Loaded model ({lm.name})"}
+for key, value in {"hm_model": "random", "hm_budget_gb": 0.25, "hm_context": 4096}.items():
+    common.persist(key, value)
+wanted = common.persist("hm_precisions", ["full", "int8", "int4"])
+st.session_state["hm_precisions"] = [p for p in wanted if p in choices]
+c1, c2, c3, c4 = st.columns([2, 1, 1, 3])
+hm_model = c1.radio("Model", list(SCALE_MODELS), key="hm_model", format_func=SCALE_MODELS.get)
+hm_budget = c2.number_input("Budget (GB)", 0.001, 1000.0, step=0.05, format="%.3f", key="hm_budget_gb")
+hm_context = int(c3.number_input("Context (tokens)", 16, 1 << 20, step=1024, key="hm_context"))
+hm_specs = c4.multiselect("KV precisions", choices, key="hm_precisions")
+
+
+@st.cache_resource(show_spinner=False)
+def _scale_model():
+    from kvdemo.scale import load_scale_model
+
+    return load_scale_model("random")
+
+
+if st.button("Measure headroom", key="hm_run", type="primary"):
+    from kvdemo.scale import measure_headroom
+
+    target = lm if hm_model == "loaded" else _scale_model()
+    budget_bytes = round(hm_budget * 1e9)
+
+    def measure() -> dict:
+        if not hm_specs:
+            raise ValueError("pick at least one KV precision")
+        if hm_context > target.max_context:
+            raise ValueError(f"context {hm_context:,} exceeds the model's context ({target.max_context:,} tokens)")
+        if target.weight_bytes() >= budget_bytes:
+            raise ValueError(
+                f"the model's weights ({target.weight_bytes() / 1e9:.3f} GB) do not fit a {hm_budget:g} GB budget"
+            )
+        rows = measure_headroom(target, parse_precision_list(",".join(hm_specs)), hm_context, budget_bytes)
+        return {"model": target.name, "context": hm_context, "budget_bytes": budget_bytes, "results": rows}
+
+    hm_status = st.empty()
+    with st.spinner("Admitting caches and timing batched decode..."):
+        result = common.run_exclusive(target, measure, hm_status)
+    if result is not None:
+        st.session_state["hm_result"] = result
+hm = st.session_state.get("hm_result")
+if hm is not None:
+    st.caption(f"{hm['model']}: {hm['context']:,}-token sequences in {hm['budget_bytes'] / 1e9:g} GB.")
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {
+                    "precision": r["precision"],
+                    "measured sequences": r["measured_max_sequences"],
+                    "formula sequences": r["max_sequences"],
+                    "measured / formula": r["measured_vs_formula"],
+                    "MiB per sequence (measured)": r["sequence_bytes_measured"] / 2**20,
+                    "MiB per sequence (formula)": r["sequence_bytes_formula"] / 2**20,
+                    "tokens/s by batch": ", ".join(
+                        f"{s['batch']}: {s['tokens_per_s']:,.0f}" for s in r["tokens_per_s"]
+                    ),
+                }
+                for r in hm["results"]
+            ]
+        ),
+        hide_index=True,
+        key="hm_table",
+    )
+    c1, c2 = st.columns(2)
+    c1.plotly_chart(figures.headroom_measured_figure(hm["results"]), key="hm_measured")
+    c2.plotly_chart(figures.headroom_batch_speed_figure(hm["results"]), key="hm_speed")
 
 # --- the benchmark report ------------------------------------------------------------------------
 st.subheader("Benchmark: kvdemo vs transformers' QuantizedCache")

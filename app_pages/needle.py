@@ -11,8 +11,9 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures, rates
+from kvdemo import figures, prefill_modes, rates, runner
 from kvdemo.needle import CSV_COLUMNS, KINDS, NeedleError, parse_numbers, run_grid, summarize
+from kvdemo.runner import PREFILL_MODES
 
 lm = common.model()
 st.title("Needle in a haystack")
@@ -41,6 +42,7 @@ defaults = {
     "needle_text": "The secret ingredient of the soup is cardamom.",
     "needle_question": "What is the secret ingredient of the soup?",
     "needle_answer": "cardamom",
+    "needle_prefill_mode": "exact",
 }
 for key, value in defaults.items():
     common.persist(key, value)
@@ -71,6 +73,13 @@ c1.text_input("Prompt lengths (tokens)", key="needle_lengths", help=f"comma-sepa
 c2.text_input("Depths (% of the haystack)", key="needle_depths", help="comma-separated, 0 = start, 100 = end")
 c3.number_input("Seed", 0, 1_000_000, key="needle_seed")
 picked = st.multiselect("Precisions (full precision is always included)", choices, key="needle_precisions")
+prefill_mode = st.radio(
+    "Prefill: how each quantized cache stores the haystack",
+    PREFILL_MODES,
+    key="needle_prefill_mode",
+    horizontal=True,
+    captions=[prefill_modes.MODE_HELP[m] for m in PREFILL_MODES],
+)
 
 c1, c2 = st.columns([1, 5])
 run = c1.button("Run grid", key="needle_run", type="primary")
@@ -115,6 +124,7 @@ if run:
             "lengths": lengths,
             "depths": depths,
             "precisions": list(dict.fromkeys(["full", *picked])),
+            "prefill_mode": prefill_mode,
             "seconds": 0.0,
             "notes": [],
         }
@@ -145,6 +155,7 @@ if run:
                 answer=st.session_state["needle_answer"] if custom else "",
                 seed=meta["seed"],
                 on_progress=progress,
+                prefill_mode=prefill_mode,
             )
             rates.record(lm, "needle", sum(r.prompt_tokens for r in result.rows), result.seconds)
             return result.to_dict()
@@ -197,6 +208,58 @@ def show(out: dict, key: str = "needle") -> None:
     )
 
 
+with st.expander("Compare prefill modes for one cell", expanded="needle_modes_result" in st.session_state):
+    st.caption(
+        "One cell of this grid (its needle, seed and haystack) with each quantized cache's haystack stored exact "
+        "and chunked. The modes differ only when the haystack spans more than one prefill chunk "
+        f"({runner.PREFILL_CHUNK:,} tokens)."
+    )
+    quantized = [p for p in picked if p != "full"] or [common.spec().label]
+    try:
+        lengths_now = parse_numbers(st.session_state["needle_lengths"], "lengths", int)
+        depths_now = parse_numbers(st.session_state["needle_depths"], "depths", float)
+    except NeedleError:
+        lengths_now, depths_now = [], []
+    if not lengths_now or not depths_now:
+        st.caption("Set valid prompt lengths and depths above first.")
+    else:
+        c1, c2, c3, c4 = st.columns([2, 2, 2, 2], vertical_alignment="bottom")
+        m_spec = c1.selectbox("Precision", quantized, key="needle_modes_precision")
+        m_length = c2.selectbox("Prompt length", lengths_now, index=len(lengths_now) - 1, key="needle_modes_length")
+        m_depth = c3.selectbox("Depth (%)", depths_now, key="needle_modes_depth")
+        if c4.button("Compare prefill modes", key="needle_compare"):
+            use_doc = hay == "document" and doc is not None
+            custom = kind == "custom"
+            modes_status = st.empty()
+            result = common.run_exclusive(
+                lm,
+                lambda: prefill_modes.needle_modes(
+                    lm,
+                    [m_spec],
+                    int(m_length),
+                    float(m_depth),
+                    kind,
+                    haystack=doc["text"] if use_doc else None,
+                    haystack_name=doc["name"] if use_doc else "document",
+                    seed=int(st.session_state["needle_seed"]),
+                    needle_text=st.session_state["needle_text"] if custom else "",
+                    question=st.session_state["needle_question"] if custom else "",
+                    answer=st.session_state["needle_answer"] if custom else "",
+                ),
+                modes_status,
+            )
+            if result is not None:
+                st.session_state["needle_modes_result"] = result
+    modes = st.session_state.get("needle_modes_result")
+    if modes is not None:
+        st.markdown(
+            f"**{modes['kind']} in {modes['haystack']}, {modes['prompt_tokens']:,} tokens "
+            f"({modes['chunks']} prefill chunks), depth {modes['depth']:g}%, seed {modes['seed']}**"
+        )
+        for line in prefill_modes.headlines(cell=modes):
+            st.markdown(line)
+        st.dataframe(pd.DataFrame(prefill_modes.summary_rows(cell=modes)), hide_index=True, key="needle_modes_table")
+
 out = st.session_state.get("needle_result")
 cancelled = st.session_state.get("needle_cancelled")
 if out is None and cancelled is None:
@@ -205,6 +268,7 @@ if out is None and cancelled is None:
 
 if out is not None:
     st.subheader(f"{out['kind']} needle in {out['haystack']}: {len(out['rows'])} runs, {out['seconds']:.1f} s")
+    st.caption(f"Prefill: {prefill_modes.describe(out.get('prefill_mode', 'exact'))}")
     show(out)
 if cancelled is not None:
     planned = len(cancelled["lengths"]) * len(cancelled["depths"]) * len(cancelled["precisions"])

@@ -44,7 +44,7 @@ from .lanes import (
 )
 from .models import LoadedModel
 from .precision import PRESETS, PrecisionSpec, parse_precision
-from .runner import PREFILL_CHUNK, Cancelled, chat_ids, first_divergence, stop_token_ids
+from .runner import PREFILL_CHUNK, PREFILL_MODES, Cancelled, chat_ids, first_divergence, stop_token_ids
 
 SYSTEM_PROMPT = "Answer the user's questions about the document below. Be brief and quote the document when you can."
 NO_DOCUMENT_PROMPT = "You are a helpful assistant. Be brief."
@@ -116,9 +116,13 @@ class ChatSession:
         document: str = "",
         baseline: PrecisionSpec | str = "full",
         prefill_chunk: int = PREFILL_CHUNK,
+        prefill_mode: str = "chunked",
     ):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(PREFILL_MODES)}")
+        self.prefill_mode = prefill_mode  # how a new quantized cache stores the document (runner.PREFILL_MODES)
         self.lm = lm
         self.prefill_chunk = prefill_chunk
         self.baseline = parse_precision(baseline)
@@ -162,6 +166,19 @@ class ChatSession:
         if spec == self.spec:
             return
         self._lanes[1] = Lane(spec, [dict(m) for m in self._lanes[0].messages])
+        free_memory(self.lm.device)
+
+    def set_prefill_mode(self, mode: str) -> None:
+        """Switch how a new quantized cache stores its prompt; the chat is kept and the quantized lane's
+        cache is rebuilt at the next turn (or `prepare()`), since what it stores depends on the mode."""
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"unknown prefill mode {mode!r}; allowed: {', '.join(PREFILL_MODES)}")
+        if mode == self.prefill_mode:
+            return
+        self.prefill_mode = mode
+        for lane in self._lanes:
+            if lane.spec.is_quantized:
+                lane.drop_cache()
         free_memory(self.lm.device)
 
     def wait_idle(self, timeout: float) -> bool:
@@ -213,7 +230,7 @@ class ChatSession:
             for lane, ids in zip(self._lanes, plans, strict=True):
                 answer = Answer(lane.label)
                 if not lane.holds(ids):
-                    lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop)
+                    lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop, self.prefill_mode)
                 fed[lane.label] = answer.fed_tokens
         return fed
 
@@ -269,7 +286,7 @@ class ChatSession:
         decodings = []
         for lane, ids, answer in zip(self._lanes, plans, answers, strict=True):
             answer.stopped = "cancelled"  # until its decoding says otherwise
-            logits = lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop)
+            logits = lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop, self.prefill_mode)
             if logits is None:
                 return
             decodings.append(Decoding(lane, answer, logits, stop_ids))

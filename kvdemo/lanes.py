@@ -24,7 +24,7 @@ import torch
 from .cache import QuantizedKVCache
 from .models import LoadedModel
 from .precision import PrecisionSpec
-from .runner import new_cache, prefill
+from .runner import PREFILL_MODES, new_cache, prefill, transplant
 
 SENTENCE_WINDOW = 0.25  # the last quarter of the cap: there an answer ends at the first sentence end
 ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "mt.", "jr.", "sr.", "vs.", "etc.", "e.g.", "i.e.", "no."}
@@ -120,12 +120,18 @@ class Lane:
         chunk: int,
         on_progress: ProgressCallback | None = None,
         should_stop: StopCallback | None = None,
+        mode: str = "chunked",
     ) -> torch.Tensor | None:
         """Bring the cache to hold `ids`; return the next-token logits [V] (None if stopped first).
 
         Reuses the cache when its ids are a prefix of `ids` and feeds the rest in chunks of `chunk`
         tokens, polling `should_stop` and reporting progress between chunks; else starts a new cache.
+        mode (runner.PREFILL_MODES): "exact" computes a new quantized cache's tokens at full precision,
+        chunk by chunk, and stores them quantized once all are in (`runner.prefill`'s exact mode);
+        tokens added to a cache that already holds some go in chunk by chunk in both modes.
         """
+        if mode not in PREFILL_MODES:
+            raise ValueError(f"unknown prefill mode {mode!r}; allowed: {', '.join(PREFILL_MODES)}")
         ids = list(ids)
         held = len(self.ids)
         if not (self.cache is not None and held < len(ids) and ids[:held] == self.ids):
@@ -135,6 +141,8 @@ class Lane:
             self.cache, held = new_cache(lm, self.spec), 0
         rest = ids[held:]  # never empty: a new turn always adds tokens
         answer.prompt_tokens = len(ids)
+        exact = mode == "exact" and held == 0 and self.spec.is_quantized
+        target = new_cache(lm, "full") if exact else self.cache  # exact: states at full precision first
         t0 = time.perf_counter()
         logits = None
         try:
@@ -143,8 +151,12 @@ class Lane:
                     return None
                 if on_progress is not None:
                     on_progress(self.label, start, len(rest))
-                logits = prefill(lm, rest[start : start + chunk], self.cache)  # [V]
-                answer.fed_tokens += len(rest[start : start + chunk])
+                logits = prefill(lm, rest[start : start + chunk], target)  # [V]
+                if not exact:
+                    answer.fed_tokens += len(rest[start : start + chunk])
+            if exact:
+                transplant(target, self.cache)  # one append per layer: as one call would store them
+                answer.fed_tokens += len(rest)
             if on_progress is not None:
                 on_progress(self.label, len(rest), len(rest))
         finally:

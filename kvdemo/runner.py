@@ -69,10 +69,12 @@ def stop_token_ids(lm: LoadedModel) -> set[int]:
 
 @torch.no_grad()
 def forward(
-    lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK, last_only: bool = False
+    lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int | None = None, last_only: bool = False
 ) -> torch.Tensor:
-    """Append `ids` to the cache in chunks; return float32 logits [len(ids), vocab] of those positions'
-    next tokens ([1, vocab], the last position only, with `last_only`)."""
+    """Append `ids` to the cache in chunks (of PREFILL_CHUNK tokens by default, read at call time);
+    return float32 logits [len(ids), vocab] of those positions' next tokens ([1, vocab], the last
+    position only, with `last_only`)."""
+    chunk = chunk or PREFILL_CHUNK
     if not len(ids):
         raise ValueError("nothing to run: empty token list")
     x = torch.tensor([list(ids)], device=lm.device)
@@ -86,7 +88,7 @@ def forward(
 
 
 def prefill(
-    lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int = PREFILL_CHUNK, mode: str = "chunked"
+    lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int | None = None, mode: str = "chunked"
 ) -> torch.Tensor:
     """Append `ids`; return the float32 logits [vocab] for the token after them (only the last row).
 
@@ -185,12 +187,13 @@ def run_precision(
     on_token: Callable[[int, str], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     keep_logits: bool = False,
+    prefill_mode: str = "chunked",
 ) -> Generation:
-    """Prefill `prompt_ids` into a fresh cache at `spec` and decode greedily."""
+    """Prefill `prompt_ids` into a fresh cache at `spec` (PREFILL_MODES) and decode greedily."""
     spec = parse_precision(spec)
     cache = new_cache(lm, spec)
     t0 = time.perf_counter()
-    first = prefill(lm, prompt_ids, cache)
+    first = prefill(lm, prompt_ids, cache, mode=prefill_mode)
     prefill_s = time.perf_counter() - t0
     tokens, kept, reason, decode_s = generate(lm, cache, first, max_new_tokens, on_token, should_stop, keep_logits)
     text = lm.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -211,15 +214,17 @@ def compare(
     specs: Sequence[PrecisionSpec | str],
     max_new_tokens: int,
     baseline: str = "full",
+    prefill_mode: str = "chunked",
 ) -> dict:
-    """Full precision and each spec on the same prompt: outputs, tokens/s, first diverging token."""
+    """Full precision and each spec on the same prompt: outputs, tokens/s, first diverging token.
+    prefill_mode: how each quantized cache stores the prompt (PREFILL_MODES)."""
     specs = [parse_precision(s) for s in specs]
     base = run_precision(lm, prompt_ids, baseline, max_new_tokens)
     rows = [base.to_dict() | {"first_divergence": None, "decode_speed_vs_full": 1.0}]
     for spec in specs:
         if spec.label == base.precision:
             continue
-        gen = run_precision(lm, prompt_ids, spec, max_new_tokens)
+        gen = run_precision(lm, prompt_ids, spec, max_new_tokens, prefill_mode=prefill_mode)
         speed = gen.decode_tok_s / base.decode_tok_s if base.decode_tok_s else None
         rows.append(
             gen.to_dict()
@@ -228,7 +233,7 @@ def compare(
                 "decode_speed_vs_full": None if speed is None else round(speed, 3),
             }
         )
-    return {"model": lm.name, "prompt_tokens": len(prompt_ids), "results": rows}
+    return {"model": lm.name, "prompt_tokens": len(prompt_ids), "prefill_mode": prefill_mode, "results": rows}
 
 
 @torch.no_grad()

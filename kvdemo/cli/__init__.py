@@ -32,6 +32,16 @@ def _load(args):
     return load_model(args.model, device=args.device, dtype=args.dtype)
 
 
+def _prefill_mode_arg(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--prefill-mode",
+        default=default,
+        choices=["exact", "chunked"],
+        help="exact: the prompt computed at full precision, stored quantized; chunked: chunk by chunk, each "
+        f"chunk attending over earlier chunks already quantized (default {default})",
+    )
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -73,7 +83,7 @@ def cmd_generate(args) -> dict:
     ids = chat_ids(lm, [{"role": "user", "content": prompt}])
     if len(ids) + args.max_new_tokens > lm.max_context:
         raise ValueError(f"prompt ({len(ids)} tokens) + new tokens exceed the model's context ({lm.max_context})")
-    return compare(lm, ids, [spec], args.max_new_tokens)
+    return compare(lm, ids, [spec], args.max_new_tokens, prefill_mode=args.prefill_mode)
 
 
 def _text_generate(out: dict) -> str:
@@ -106,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="")
     p.add_argument("--prompt-file", default="")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    _prefill_mode_arg(p, "chunked")
     p.set_defaults(func=cmd_generate, text=_text_generate)
 
     p = sub.add_parser("needle", help="needle-in-a-haystack grid: full precision vs quantized")
@@ -120,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer", default="", help="custom expected answer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="folder for needle.json and needle.csv")
+    _prefill_mode_arg(p, "exact")
     p.set_defaults(func=_lazy("needle", "run_cli"), text=_lazy("needle", "format_text"))
 
     p = sub.add_parser("drift", help="attention-score drift of quantized vs full precision")
@@ -128,7 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive_int, default=2048)
     p.add_argument("--document", default="", help="a document to use instead of the bundled prose")
     p.add_argument("--new-tokens", type=_positive_int, default=16, help="generated tokens for the logit-KL curve")
+    _prefill_mode_arg(p, "chunked")
     p.set_defaults(func=_lazy("drift", "run_cli"), text=_lazy("drift", "format_text"))
+
+    p = sub.add_parser("prefill-modes", help="one needle cell and one drift run, prompt stored exact vs chunked")
+    _model_args(p)
+    p.add_argument("--precision", default="int4,int2", help="quantized precisions")
+    p.add_argument("--tokens", type=_positive_int, default=8000, help="prompt length of the needle and drift runs")
+    p.add_argument("--kind", default="passkey", choices=["passkey", "multikey"])
+    p.add_argument("--depth", type=float, default=50.0, help="needle depth in percent")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--new-tokens", type=_positive_int, default=16, help="drift: generated tokens")
+    p.add_argument("--document", default="", help="drift: a document instead of the bundled prose")
+    p.add_argument("--out", default="", help="also write the JSON to this file")
+    p.set_defaults(func=_lazy("prefill_modes", "run_cli"), text=_lazy("prefill_modes", "format_text"))
 
     p = sub.add_parser("headroom", help="KV bytes/token and concurrent sequences per precision on a GPU budget")
     p.add_argument("--model-config", default="llama-3.1-8b", help="a reference config name or 'loaded'")
@@ -177,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="full", choices=["full", "1k", "quick"], help="kvdemo.bench.SIZES")
     p.add_argument("--only", default="", help="comma-separated contenders (default: every one available)")
     p.set_defaults(func=_lazy("bench", "run_cli"), text=_lazy("bench", "format_text"))
+
     p = sub.add_parser("findings", help="the claims about KV quantization, measured: findings.json/.html/.pdf")
     _model_args(p)
     p.add_argument("--precision", default="", help="KV precisions (default: every preset and the claims' variants)")

@@ -9,7 +9,8 @@ from ..precision import parse_precision_list
 
 
 def run_cli(args) -> dict:
-    """`python -m kvdemo drift --precision int8,int4,int2 --tokens 2048 [--document F] [--new-tokens N]`."""
+    """`python -m kvdemo drift --precision int8,int4,int2 --tokens 2048 [--document F] [--new-tokens N]
+    [--prefill-mode exact|chunked]`."""
     from ..models import load_model
 
     specs = parse_precision_list(args.precision)
@@ -20,14 +21,17 @@ def run_cli(args) -> dict:
         raise ValueError(f"--tokens {args.tokens} exceeds the model's context ({lm.max_context})")
     text, n = document_text(lm, args.tokens, args.document)
     prompt = document_prompt(lm, text)
-    return {"model": lm.name, "tokens": n} | run_drift(lm, prompt, specs, args.new_tokens)
+    return {"model": lm.name, "tokens": n} | run_drift(
+        lm, prompt, specs, args.new_tokens, prefill_mode=getattr(args, "prefill_mode", "chunked")
+    )
 
 
 def format_text(out: dict) -> str:
     """A human-readable summary of `run_cli`'s dict."""
     lines = [
         f"model: {out['model']}  document: {out['tokens']} tokens  prompt: {out['prompt_tokens']} tokens  "
-        f"queries: {out['new_tokens']} (last prompt token + teacher-forced continuation)",
+        f"queries: {out['new_tokens']} (last prompt token + teacher-forced continuation)  "
+        f"prefill: {out.get('prefill_mode', 'chunked')}",
         f"full-precision continuation: {out['generated']!r}",
         "",
         f"{'precision':<14}{'bits':>6}{'mean JS':>11}{'mean KL':>11}{'top-' + str(out['top_k']):>8}"

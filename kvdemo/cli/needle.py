@@ -20,7 +20,7 @@ def read_document(path: str) -> tuple[str, str]:
 
 def run_cli(args) -> dict:
     """`python -m kvdemo needle --precision ... --lengths ... --depths ... --kind ... [--haystack-file F]
-    [--needle T --question T --answer T] [--seed N] [--out DIR]`."""
+    [--needle T --question T --answer T] [--seed N] [--out DIR] [--prefill-mode exact|chunked]`."""
     from ..models import load_model
 
     specs = _specs_with_full(args.precision)
@@ -46,6 +46,7 @@ def run_cli(args) -> dict:
         question=args.question,
         answer=args.answer,
         seed=args.seed,
+        prefill_mode=getattr(args, "prefill_mode", "exact"),
     )
     out = result.to_dict()
     if args.out:
@@ -61,6 +62,7 @@ def format_text(out: dict) -> str:
     """Per precision, a depth x length grid of pass/fail and answer log-prob, then the summary."""
     lines = [
         f"model: {out['model']}  needle: {out['kind']}  haystack: {out['haystack']}  seed: {out['seed']}  "
+        f"prefill: {out.get('prefill_mode', 'exact')}  "
         f"({len(out['rows'])} runs, {out['seconds']:.1f} s{', cancelled' if out['stopped'] == 'cancelled' else ''})",
         "cells: ok/MISS and log p(true answer); depth down, prompt length in tokens across",
     ]
