@@ -233,7 +233,8 @@ def test_needle_and_drift_pages_choose_and_compare_prefill_modes(small_chunk):
     assert not at.exception and not at.error, [e.value for e in at.error]
     modes = at.session_state["drift_modes_result"]
     assert modes["chunks"] > 1 and modes["results"][0]["chunked"]["mean_js"] != modes["results"][0]["exact"]["mean_js"]
-    assert len(at.dataframe(key="drift_modes_table").value) == 1
+    tables = [d.value for d in at.dataframe if "JS chunked/exact" in d.value.columns]
+    assert len(tables) == 1 and list(tables[0]["precision"]) == ["int4"]
 
 
 @pytest.mark.model
