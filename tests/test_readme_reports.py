@@ -209,3 +209,17 @@ def test_bench_1k_prose_figures_match_the_report():
     assert speed and _printed(speed.group(1), one["goals"][1]["measured"]["speedup"])
     kv = re.search(r"4-bit keys cost ([\d.]+)x the logit KL of 4-bit values", README)
     assert kv and _printed(kv.group(1), one["key_vs_value"]["measures"]["logit_kl@2048"]["ratio"])
+
+
+# --- long contexts and measured headroom (kvdemo.scale) --------------------------------------------------
+
+
+def test_measured_headroom_table_is_the_reports_table():
+    from kvdemo.cli.memory import measured_markdown
+
+    report = _report("headroom_measured.json")
+    table = measured_markdown(report)
+    assert table in README, "README's measured-headroom table differs from assets/reports/headroom_measured.json"
+    _says_date(README.index(table), report["date"])
+    for row in report["results"]:  # the bar: measured within 5% of the formula
+        assert abs(row["measured_vs_formula"] - 1) <= 0.05, row

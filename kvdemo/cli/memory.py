@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from datetime import date
+
 from ..memory import (
     GB,
     MEASURE_TOKENS,
@@ -72,6 +74,11 @@ def _measured_headroom(args, specs) -> dict:
         )
     rows = measure_headroom(lm, specs, args.context, budget, batch_sizes)
     return {
+        "command": f"python -m kvdemo headroom --measure --budget-gb {args.budget_gb:g} --context {args.context} "
+        f"--precision {','.join(s.label for s in specs)} --measure-model {args.measure_model} "
+        f"--batch-sizes {args.batch_sizes}",
+        "machine": machine_line(),
+        "date": date.today().isoformat(),
         "model": lm.name,
         "dtype": str(lm.dtype).replace("torch.", ""),
         "budget_bytes": budget,
@@ -149,6 +156,32 @@ def format_headroom(out: dict) -> str:
     if out["warnings"]:
         lines.append("")
         lines += [f"warning: {w}" for w in out["warnings"]]
+    return "\n".join(lines)
+
+
+def machine_line() -> str:
+    """What a measured report says about where it ran."""
+    import os
+    import platform
+
+    return f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, cpu"
+
+
+def measured_markdown(out: dict) -> str:
+    """README's table of a `headroom --measure` report."""
+    sizes = [s["batch"] for s in out["results"][0]["tokens_per_s"]]
+    lines = [
+        "| precision | admitted (measured) | formula | measured / formula | bytes per sequence (measured / formula) | "
+        + " | ".join(f"tok/s, batch {b}" for b in sizes)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(sizes),
+    ]
+    for r in out["results"]:
+        speeds = " | ".join(f"{s['tokens_per_s']:.2f}" for s in r["tokens_per_s"])
+        lines.append(
+            f"| {r['precision']} | {r['measured_max_sequences']} | {r['max_sequences']} | {r['measured_vs_formula']:.3f} | "
+            f"{r['sequence_bytes_measured']:,} / {r['sequence_bytes_formula']:,} | {speeds} |"
+        )
     return "\n".join(lines)
 
 

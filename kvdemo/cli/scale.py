@@ -31,6 +31,7 @@ def run_cli(args) -> dict:
         f"--mode {args.mode} --device {args.device}",
         "model": SCALE_MODEL["display_name"] if args.model == "random" else args.model,
         "machine": f"{platform.machine()}, {_cores()} cores, {args.device}",
+        "mode": args.mode,
         "date": date.today().isoformat(),
         "rows": rows,
     }
@@ -45,6 +46,22 @@ def _cores() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
+
+
+def markdown_table(out: dict) -> str:
+    """README's table of a `scale` report."""
+    lines = [
+        "| tokens | precision | peak MiB | cache MiB | weights MiB | workspace MiB | prefill s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in out["rows"]:
+        mib = [r[k] / 2**20 for k in ("peak_bytes", "cache_bytes", "weights_bytes", "workspace_bytes")]
+        lines.append(
+            f"| {r['tokens']:,} | {r['precision']} | "
+            + " | ".join(f"{x:,.1f}" for x in mib)
+            + f" | {r['prefill_s']:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 def format_text(out: dict) -> str:
