@@ -1,8 +1,10 @@
 """Findings: each claim about KV-cache quantization with its verdict on the model, a figure and how it was
 measured. Opens on the report shipped for the embedded model (assets/reports/findings/); re-runs on the
-loaded model with progress and Cancel. The work is `kvdemo.findings`; figures `kvdemo.figures`; files
+loaded model with progress and Cancel (KVDEMO_FINDINGS_QUICK_SIZES picks the quick sizes, "tiny" in the
+browser test; KVDEMO_FINDINGS_CACHE=0 measures again instead of reading the cache). The work is `kvdemo.findings`; figures `kvdemo.figures`; files
 `kvdemo.report`."""
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -80,7 +82,14 @@ if run:
         def keep(partial_found: dict) -> None:
             st.session_state["findings_partial"]["found"] = partial_found
 
-        return findings.run_findings(lm, quick=quick, config=config, on_progress=progress, on_partial=keep)
+        return findings.run_findings(
+            lm,
+            sizes=findings.SIZES[os.environ.get("KVDEMO_FINDINGS_QUICK_SIZES", "quick")] if quick else findings.FULL,
+            config=config,
+            on_progress=progress,
+            on_partial=keep,
+            use_cache=os.environ.get("KVDEMO_FINDINGS_CACHE", "1") != "0",
+        )
 
     try:
         out = common.run_exclusive(lm, work, status)

@@ -125,7 +125,10 @@ QUICK = Sizes(
     tokens=768, window=32, needle_lengths=(256, 768), kl_every=2, stack_tokens=384, weights=("loaded", "int8")
 )
 
-SIZES = {"full": FULL, "medium": MEDIUM, "quick": QUICK}
+TINY = Sizes(  # tests: seconds per measurement
+    tokens=320, window=32, window_fractions=(0.1, 1.0), needle_lengths=(256, 320), kl_every=2, weights=("loaded",)
+)
+SIZES = {"full": FULL, "medium": MEDIUM, "quick": QUICK, "tiny": TINY}
 
 
 def default_precisions(quick: bool = False) -> list[str]:
@@ -497,12 +500,16 @@ def run_findings(
     use_cache: bool = True,
     claims: bool = True,
     shard: tuple[int, int] = (0, 1),
+    reverse: bool = False,
+    cached_only: bool = False,
 ) -> dict:
     """Measure every claim on `lm`; the findings dict (verdicts included, `evaluate`). `on_progress(done,
     total, message)` per measurement; `should_stop()` ends the run after the running measurement (the
     dict holds what finished, stopped="cancelled"); `on_partial(findings)` after every measurement.
     `claims=False` measures `precisions` only (tests); `shard=(k, N)` measures every N-th unit (parallel
-    processes sharing the cache; the others wait for shard 0's exact states and full-precision runs)."""
+    processes sharing the cache; the others wait for shard 0's exact states and full-precision runs);
+    `reverse` takes a shard's units from its last (a second process per shard meets the first halfway);
+    `cached_only` collects what the cache holds and measures nothing (a report from shards' results)."""
     sizes = sizes or (QUICK if quick else FULL)
     precisions = [parse_precision(p).label for p in (precisions or default_precisions(quick))]
     if "full" not in precisions:
@@ -527,7 +534,9 @@ def run_findings(
     reference: dict[str, dict] = {}
     stopped = "done"
     k, n_shards = shard
-    for done, (weights, label, text) in enumerate(units):
+    order = sorted(range(total), key=lambda i: (units[i][1:] != ("full", "main"), -i if reverse else i))
+    for done in order:
+        weights, label, text = units[done]
         if should_stop is not None and should_stop():
             stopped = "cancelled"
             break
@@ -540,12 +549,14 @@ def run_findings(
             continue
         wait = 4 * 3600.0 if k != 0 and text == "main" else 0.0  # shard 0 makes the main text's states and full run
         out = _load_cached(path, need_rows=is_full) if use_cache else None
-        if out is None and is_full and wait:  # the full-precision reference (KL) comes from shard 0: wait for it
+        if (
+            out is None and is_full and wait and not cached_only
+        ):  # the full-precision reference (KL) comes from shard 0: wait for it
             deadline = time.monotonic() + wait
             while out is None and time.monotonic() < deadline:
                 time.sleep(5)
                 out = _load_cached(path, need_rows=True)
-        if out is None and not mine:
+        if out is None and (not mine or cached_only):
             continue
         ref_key = f"{weights}:{text}"
         if out is None:

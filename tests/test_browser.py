@@ -89,6 +89,7 @@ def server(tmp_path_factory):
     port = free_port()
     log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
     env = os.environ | {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false", "TOKENIZERS_PARALLELISM": "false"}
+    env |= {"KVDEMO_FINDINGS_QUICK_SIZES": "tiny", "KVDEMO_FINDINGS_CACHE": "0"}  # Findings re-runs: small, measured
     cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
     cmd += ["--server.port", str(port), "--server.address", "127.0.0.1"]
     cmd += ["--server.fileWatcherType", "none", "--server.runOnSave", "false"]  # other edits must not rerun it
@@ -304,3 +305,20 @@ def test_every_page_in_chromium(server, page, tmp_path):
         "memory.png",
         "needle.png",
     ]
+
+
+def test_findings_quick_rerun_and_cancel(server, page):
+    """Findings opens on the shipped report; a quick re-run shows progress, and Cancel keeps what finished."""
+    page.goto(server, wait_until="domcontentloaded")
+    idle(page)
+    goto(page, "Findings")
+    page.get_by_text("7. The trade-off and a recommendation").first.wait_for(timeout=UI_S * 1000)
+    page.locator(".js-plotly-plot").first.wait_for(timeout=UI_S * 1000)
+    no_exception(page)
+    page.get_by_role("button", name="Re-run on the loaded model").click()
+    page.get_by_text(re.compile(r"^1/\d+: ")).first.wait_for(timeout=MODEL_WORK_S * 1000)  # one measurement done
+    page.get_by_role("button", name="Cancel").click()
+    page.get_by_text(re.compile(r"Cancelled: \d+ of \d+ measurements kept")).first.wait_for(timeout=MODEL_WORK_S * 1000)
+    idle(page)
+    no_exception(page)
+    page.get_by_text("1. Capacity").first.wait_for(timeout=UI_S * 1000)  # the sections of what finished

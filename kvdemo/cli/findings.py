@@ -43,6 +43,8 @@ def run_cli(args) -> dict:
         quick=args.quick,
         sizes=sizes,
         shard=parse_shard(args.shard),
+        reverse=args.reverse,
+        cached_only=args.from_cache,
         config=config,
         on_progress=progress,
         on_partial=(lambda f: write_report(f, args.out, pdf=False)) if args.shard == "0/1" else None,

@@ -1,0 +1,312 @@
+"""Findings: verdicts computed from the numbers (they flip when the numbers do; no verdict text is a literal),
+a tiny run on the embedded model (and its cache), the shipped report, the HTML offline in headless
+Chromium with zero network requests, the PDF's pages, the CLI, the page under AppTest, and custom needles
+scored after their own lead-in."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from kvdemo import findings, layout, needle, report
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+WINDOWS = [96, 448, 1024, 1952]
+LENGTHS = [512, 1024, 2000]
+INFO = {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float32", "max_context": 8192}
+
+
+def _run(label: str, nll: list[float], needle_lp: list[float], kl: float = 0.0) -> dict:
+    """A measurement as `measure_spec` returns it, with its cache bytes from the layout formula."""
+    regions = layout.Layout(findings.parse_precision(label)).regions([2048])
+    nbytes = layout.region_bytes(regions, 30, 3, 64, label, 32)["total"]
+    return {
+        "precision": label,
+        "windows": [{"start": s, "tokens": 64, "nll": v, "kl": kl} for s, v in zip(WINDOWS, nll, strict=True)],
+        "needles": [
+            {"length": n, "tokens": n, "key": k, "distance": n - 80, "logprob": lp, "found": lp > -1}
+            for n, lp in zip(LENGTHS, needle_lp, strict=True)
+            for k in ("a", "b")
+        ],
+        "cache_bytes": nbytes,
+        "cache_tokens": 2048,
+        "updates": [2048],
+        "seconds": 1.0,
+    }
+
+
+def fake(loss: dict[str, tuple[float, float]] | None = None) -> dict:
+    """A findings dict of every default precision: loss[label] = (NLL delta up to 512 tokens, at the end);
+    the needle loss follows the same shape (x 10 nats); KL = mean NLL delta."""
+    loss = loss or {}
+    base_nll, base_lp = [3.0, 2.9, 2.8, 2.8], [-0.2, -0.3, -0.4]
+    runs = {}
+    for label in findings.default_precisions():
+        a, b = (0.0, 0.0) if label == "full" else loss.get(label, (0.001, 0.002))
+        ramp = [a, a, (a + b) / 2, b]  # the first two windows end by 512 tokens: the short end
+        lp_ramp = [-10 * x for x in (a, (a + b) / 2, b)]
+        runs[label] = _run(
+            label,
+            [x + d for x, d in zip(base_nll, ramp, strict=True)],
+            [x + d for x, d in zip(base_lp, lp_ramp, strict=True)],
+            kl=sum(ramp) / 4,
+        )
+    stack = {}
+    for kv in findings.STACK_KV:
+        a, b = (0.0, 0.0) if kv == "full" else loss.get(kv, (0.001, 0.002))
+        stack[kv] = _run(kv, [x + 0.02 + a for x in base_nll], [x - 0.5 for x in base_lp])
+        stack[kv]["windows"] = stack[kv]["windows"][:2]
+    found = {
+        "version": findings.CODE_VERSION,
+        "model": "fake",
+        "model_info": INFO,
+        "embedded": True,
+        "sizes": findings.MEDIUM.to_dict(),
+        "precisions": findings.default_precisions(),
+        "thresholds": dict(findings.THRESHOLDS),
+        "config": dict(findings.DEFAULT_CONFIG),
+        "text": {"stack_prompts": [{"length": 512}, {"length": 1024}]},
+        "measurements": {"loaded:main": runs, "int8:stack": stack},
+        "seconds": 1.0,
+        "stopped": "done",
+    }
+    found["claims"] = findings.evaluate(found)
+    return found
+
+
+def verdicts(found: dict) -> dict[str, dict]:
+    return {c["id"]: c["verdict"] for c in findings.evaluate(found)}
+
+
+# --- verdicts come from the numbers ---------------------------------------------------------------------
+
+
+def test_key_value_verdict_flips_with_the_numbers():
+    keys_worse = verdicts(fake({"k4v8": (0.05, 0.1), "k8v4": (0.001, 0.002)}))["keys"]
+    values_worse = verdicts(fake({"k4v8": (0.001, 0.002), "k8v4": (0.05, 0.1)}))["keys"]
+    assert keys_worse["holds"] is True and values_worse["holds"] is False
+    assert keys_worse["word"] == "holds" and values_worse["word"] == "does not hold"
+    assert keys_worse["text"] != values_worse["text"]
+
+
+def test_long_range_verdict_flips_with_the_numbers():
+    grows = verdicts(fake({"int4": (0.001, 0.2)}))["long_range"]
+    flat = verdicts(fake({p: (0.001, 0.002) for p in findings.default_precisions()}))["long_range"]
+    assert grows["holds"] is True and "int4" in grows["text"]
+    assert flat["holds"] is False
+
+
+def test_axis_sinks_and_tradeoff_follow_the_numbers():
+    good = fake({"int4:ktoken": (0.05, 0.05), "int2:ktoken": (0.5, 0.5), "int2": (0.3, 0.3), "int2:s4": (0.1, 0.1)})
+    bad = fake({"int4": (0.05, 0.05), "int2": (0.5, 0.5), "int2:ktoken": (0.3, 0.3), "int2:s4": (0.5, 0.5)})
+    assert verdicts(good)["axis"]["holds"] is True and verdicts(bad)["axis"]["holds"] is False
+    assert verdicts(good)["sinks"]["holds"] is False  # sinks help, the residual pair is equal: not both
+    assert verdicts(bad)["sinks"]["holds"] is False
+    tight = findings.tradeoff(good, budget=0.0)
+    loose = findings.tradeoff(good, budget=1.0)
+    assert tight["pick"]["precision"] == "full"
+    ok = [p for p in loose["points"] if p["needle_delta"] >= -findings.THRESHOLDS["needle_ok_nats"]]
+    assert loose["pick"]["multiplier"] == max(p["multiplier"] for p in ok)  # the needle threshold holds too
+    assert any(p["pareto"] for p in loose["points"])
+    assert {"vllm", "llama.cpp", "transformers"} <= set(loose["production"])
+
+
+def test_no_verdict_text_is_a_literal():
+    """Every measured claim's text changes when its numbers change."""
+    a = verdicts(fake({p: (0.01, 0.03) for p in findings.default_precisions()}))
+    b = verdicts(fake({p: (0.02, 0.09) for p in findings.default_precisions()}))
+    for claim in ("long_range", "keys", "axis", "sinks", "stacking"):
+        assert a[claim]["text"] != b[claim]["text"], claim
+    small = verdicts(fake({p: (0.001, 0.003) for p in findings.default_precisions()}))["tradeoff"]
+    smaller = verdicts(fake({p: (0.0005, 0.001) for p in findings.default_precisions()}))["tradeoff"]
+    assert small["text"] != smaller["text"]
+    cap_a = findings.evaluate(fake(), config={"context": 8192})[0]["verdict"]["text"]
+    cap_b = findings.evaluate(fake(), config={"context": 65536})[0]["verdict"]["text"]
+    assert cap_a != cap_b
+
+
+def test_thresholds_are_read_from_the_findings():
+    found = fake({"k4v8": (0.004, 0.004), "k8v4": (0.001, 0.001)})
+    assert verdicts(found)["keys"]["holds"] is True
+    found["thresholds"] = found["thresholds"] | {"noise_nll_nats": 0.1, "noise_kl_nats": 0.1, "noise_needle_nats": 9}
+    assert verdicts(found)["keys"]["holds"] is False
+
+
+def test_capacity_uses_the_headroom_code_and_the_live_bytes():
+    v = findings.verdict_capacity(fake())
+    cap = v["capacity"]
+    assert v["holds"] is True and cap["multiplier"]["full"] == 1.0
+    assert cap["multiplier"]["int4"] > cap["multiplier"]["int8"] > 1.0
+    assert all(abs(r["error_vs_formula"]) < 1e-9 for r in cap["live"])
+    found = fake()
+    found["measurements"]["loaded:main"]["int4"]["cache_bytes"] *= 1.5  # the cache holds more than the formula says
+    assert findings.verdict_capacity(found)["holds"] is False
+
+
+def test_shipped_report_verdict_flips_when_its_numbers_change():
+    shipped = findings.load()
+    if shipped is None:
+        pytest.skip("no shipped report yet")
+    found = json.loads(json.dumps(shipped))
+    runs = found["measurements"]["loaded:main"]
+    full = runs["full"]
+    for label, extra in (("k4v8", 1.0), ("k8v4", 0.0)):
+        runs[label]["windows"] = [w | {"nll": w["nll"] + extra, "kl": extra} for w in full["windows"]]
+        runs[label]["needles"] = [n | {"logprob": n["logprob"] - 10 * extra} for n in full["needles"]]
+    assert verdicts(found)["keys"]["holds"] is True
+    runs["k4v8"], runs["k8v4"] = runs["k8v4"], runs["k4v8"]
+    assert verdicts(found)["keys"]["holds"] is False
+
+
+def test_shipped_report_is_complete():
+    shipped = findings.load()
+    if shipped is None:
+        pytest.skip("no shipped report yet")
+    assert [c["id"] for c in shipped["claims"]] == [c["id"] for c in findings.CLAIMS]
+    grid = findings.stacking_grid(shipped)
+    weights = {r["weights"] for r in grid if r["nll_delta"] is not None}
+    kvs = {r["kv"] for r in grid if r["nll_delta"] is not None}
+    assert len(weights) >= 2 and len(kvs) >= 4
+    for name in ("findings.json", "findings.html"):
+        assert (findings.REPORT_DIR / name).is_file()
+
+
+def test_readme_verdict_table_matches_the_shipped_report():
+    shipped = findings.load()
+    if shipped is None:
+        pytest.skip("no shipped report yet")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for row in report.verdict_rows(shipped):
+        assert f"| {row['claim']} | {row['verdict']} | {row['numbers']} |" in readme, row["claim"]
+
+
+# --- files ------------------------------------------------------------------------------------------------
+
+
+def test_html_is_standalone():
+    html = report.render_html(fake())
+    assert html.count("<section") == len(findings.CLAIMS)
+    assert "Plotly.newPlot" in html
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=[\"']?https?:", html)  # nothing loaded from a network
+
+
+@pytest.mark.browser
+def test_html_opens_offline_with_zero_network_requests(tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    page_file = tmp_path / "findings.html"
+    page_file.write_text(report.render_html(fake()), encoding="utf-8")
+    url = page_file.as_uri()
+    requests = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
+        try:
+            page = browser.new_page()
+            page.on("request", lambda r: requests.append(r.url))
+            page.goto(url, wait_until="load", timeout=60_000)
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=60_000)
+            plots = page.locator(".js-plotly-plot").count()
+        finally:
+            browser.close()
+    assert plots >= len(findings.CLAIMS)
+    assert [r for r in requests if r != url] == []
+
+
+@pytest.mark.browser
+def test_pdf_has_a_page_or_more_per_claim(tmp_path):
+    from pypdf import PdfReader
+
+    if report.chromium() is None:
+        pytest.skip("no chromium")
+    files = report.write_report(fake(), tmp_path)
+    pages = len(PdfReader(files["pdf"]).pages)
+    assert pages >= len(findings.CLAIMS) + 1  # the verdict table, then each claim from a new page
+
+
+def test_cli_parser_has_findings():
+    from kvdemo.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["findings", "--quick", "--out", "x", "--precision", "int4,k8v4", "--shard", "1/2"]
+    )
+    assert args.quick and args.out == "x" and args.precision == "int4,k8v4"
+    assert findings.parse_shard(args.shard) == (1, 2)
+    with pytest.raises(ValueError, match="0 <= k < N"):
+        findings.parse_shard("2/2")
+
+
+# --- custom needles: scored after their own lead-in -----------------------------------------------------------
+
+
+def test_custom_needle_answer_follows_its_lead_in():
+    text = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+    answer = "eat a sandwich and sit in Dolores Park on a sunny day"
+    task = needle.make_task("custom", random.Random(0), text, "What is the best thing to do in San Francisco?", answer)
+    assert task.answer_prefix == "The best thing to do in San Francisco is"
+    assert needle.lead_in("Cardamom is the secret.", "cardamom") == ""  # the answer opens the needle
+
+
+# --- on the embedded model ---------------------------------------------------------------------------------
+
+TINY = findings.TINY
+
+
+@pytest.mark.model
+def test_tiny_run_measures_and_reuses_its_cache(lm, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvdemo.models.cache_dir", lambda: tmp_path)
+    messages = []
+
+    def run():
+        return findings.run_findings(
+            lm, ["full", "int2"], sizes=TINY, claims=False, on_progress=lambda d, t, m: messages.append(m)
+        )
+
+    first = run()
+    assert first["stopped"] == "done" and set(first["measurements"]["loaded:main"]) == {"full", "int2"}
+    full, int2 = (first["measurements"]["loaded:main"][p] for p in ("full", "int2"))
+    assert [w["start"] for w in full["windows"]] == [32, 256] and len(full["needles"]) == 4
+    assert all(0 < w["nll"] < 20 for w in full["windows"]) and all(n["logprob"] <= 0 for n in full["needles"])
+    assert all(w["kl"] >= 0 for w in int2["windows"]) and int2["cache_bytes"] < full["cache_bytes"]
+    assert any(m.startswith("measuring") for m in messages)
+    messages.clear()
+    again = run()
+    assert not any(m.startswith("measuring") for m in messages)  # every measurement came from the cache
+    assert again["measurements"] == first["measurements"]
+    cancelled = findings.run_findings(lm, ["full", "int4"], sizes=TINY, claims=False, should_stop=lambda: True)
+    assert cancelled["stopped"] == "cancelled" and cancelled["measurements"] == {}
+
+
+@pytest.mark.model
+def test_findings_page_renders_the_shipped_report():
+    from streamlit.testing.v1 import AppTest
+
+    if findings.load() is None:
+        pytest.skip("no shipped report yet")
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    at.run()
+    at.switch_page("app_pages/findings.py").run()
+    assert not at.exception, at.exception
+    assert "Findings" in at.title[0].value
+    headers = [h.value for h in at.header]
+    assert headers == [c["title"] for c in findings.CLAIMS]
+    table = at.dataframe(key="findings_table").value
+    assert list(table["verdict"]) == [c["verdict"]["word"] for c in findings.evaluate(findings.load())]
+    at.select_slider(key="findings_context").set_value(131072).run()
+    assert not at.exception, at.exception
+    assert "131,072" in at.dataframe(key="findings_table").value["numbers"].iloc[0]
+
+
+def test_shipped_json_round_trips_through_evaluate():
+    shipped = findings.load()
+    if shipped is None:
+        pytest.skip("no shipped report yet")
+    again = findings.evaluate(copy.deepcopy(shipped))
+    assert [c["verdict"] for c in again] == [c["verdict"] for c in shipped["claims"]]
