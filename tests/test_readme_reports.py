@@ -223,3 +223,19 @@ def test_measured_headroom_table_is_the_reports_table():
     _says_date(README.index(table), report["date"])
     for row in report["results"]:  # the bar: measured within 5% of the formula
         assert abs(row["measured_vs_formula"] - 1) <= 0.05, row
+
+
+def test_prefill_modes_table_is_the_reports():
+    report = _report("prefill_modes.json")
+    at, rows = _table(
+        ["precision", "needle log p full", "exact", "chunked", "chunked - exact", "drift JS exact", "JS chunked"]
+        + ["logit KL exact", "logit KL chunked", "KL chunked/exact"]
+    )
+    _says_date(at, report["provenance"]["date"])
+    for s, cells in zip(report["summary"], rows, strict=True):
+        assert cells[0] == f"`{s['precision']}`"
+        for cell, key in zip(cells[1:], ["log p full", "log p exact", "log p chunked", "log p chunked - exact"]):
+            assert _printed(cell, s[key]), (cell, key)
+        for cell, key in zip(cells[5:], ["JS exact", "JS chunked", "logit KL exact", "logit KL chunked"]):
+            assert _printed(cell, s[key]), (cell, key)
+        assert _printed(cells[9], s["logit KL chunked/exact"])
