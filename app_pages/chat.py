@@ -25,11 +25,6 @@ st.page_link(
     label="Findings: what quantization costs, measured per claim",
     icon=":material/fact_check:",
 )
-st.page_link(
-    "app_pages/findings.py",
-    label="Findings: what quantization costs, measured per claim",
-    icon=":material/fact_check:",
-)
 st.caption(
     "Every question is answered twice: with a full-precision KV cache and with your KV precision (sidebar). "
     "The document is read once per precision; follow-up questions reuse both caches."

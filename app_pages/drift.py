@@ -21,11 +21,6 @@ st.page_link(
     label="Findings, claims 3-5: keys vs values, per-channel keys, sinks",
     icon=":material/fact_check:",
 )
-st.page_link(
-    "app_pages/findings.py",
-    label="Findings, claims 3-5: keys vs values, per-channel keys, sinks",
-    icon=":material/fact_check:",
-)
 st.caption(
     "The same prompt runs with a full-precision cache and with quantized caches; the same tokens are then "
     "teacher-forced into both. Per layer and head: how far the attention distribution over the keys moves "

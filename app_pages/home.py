@@ -54,10 +54,6 @@ st.page_link(
     label="Findings: each claim about KV quantization, measured on this model, with its verdict",
 )
 st.page_link(
-    "app_pages/findings.py",
-    label="Findings: each claim about KV quantization, measured on this model, with its verdict",
-)
-st.page_link(
     "app_pages/chat.py", label="Chat: a document, answered at full precision and at your precision, side by side"
 )
 st.page_link(

@@ -37,11 +37,6 @@ st.page_link(
     label="Findings, claims 1, 6, 7: capacity, stacking, the trade-off",
     icon=":material/fact_check:",
 )
-st.page_link(
-    "app_pages/findings.py",
-    label="Findings, claims 1, 6, 7: capacity, stacking, the trade-off",
-    icon=":material/fact_check:",
-)
 
 # --- headroom: formulas, instant ------------------------------------------------------------------
 st.subheader("How many sequences fit on a GPU")

@@ -22,11 +22,6 @@ st.page_link(
     label="Findings, claim 2: long-range recall breaks before short chat",
     icon=":material/fact_check:",
 )
-st.page_link(
-    "app_pages/findings.py",
-    label="Findings, claim 2: long-range recall breaks before short chat",
-    icon=":material/fact_check:",
-)
 st.caption(
     "A fact is hidden at a chosen depth of a long text; the model is asked for it. Each cell runs once at "
     "full precision and once per quantized precision, on exactly the same tokens. Scored by exact match and "

@@ -220,23 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reverse", action="store_true", help="take the shard's units from the last (a second process)")
     p.add_argument("--from-cache", action="store_true", help="report what the cache holds; measure nothing")
     p.set_defaults(func=_lazy("findings", "run_cli"), text=_lazy("findings", "format_text"))
-    p = sub.add_parser("findings", help="the claims about KV quantization, measured: findings.json/.html/.pdf")
-    _model_args(p)
-    p.add_argument("--precision", default="", help="KV precisions (default: every preset and the claims' variants)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes (minutes on 2 cores; tests)")
-    p.add_argument("--out", default="reports/findings", help="folder for findings.json, .html, .pdf")
-    p.add_argument("--model-config", default="", help="capacity: a reference config (default llama-3.1-8b)")
-    p.add_argument("--gpu", default="", help="capacity: a GPU preset (default h100-80gb)")
-    p.add_argument("--gpus", type=_positive_int, default=None)
-    p.add_argument("--context", type=_positive_int, default=None, help="capacity: tokens per sequence (default 32768)")
-    p.add_argument("--no-pdf", action="store_true", help="skip the Chromium-printed PDF")
-    p.add_argument("--no-cache", action="store_true", help="measure everything again (ignore cached results)")
-    p.add_argument("--sizes", default="full", choices=["full", "medium", "quick"], help="kvdemo.findings.SIZES")
-    p.add_argument("--tokens", type=_positive_int, default=None, help="text length (default: the model's context)")
-    p.add_argument("--shard", default="0/1", help="k/N: measure every N-th unit (parallel processes, one cache)")
-    p.add_argument("--reverse", action="store_true", help="take the shard's units from the last (a second process)")
-    p.add_argument("--from-cache", action="store_true", help="report what the cache holds; measure nothing")
-    p.set_defaults(func=_lazy("findings", "run_cli"), text=_lazy("findings", "format_text"))
     return parser
 
 
