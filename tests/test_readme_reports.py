@@ -234,8 +234,23 @@ def test_prefill_modes_table_is_the_reports():
     _says_date(at, report["provenance"]["date"])
     for s, cells in zip(report["summary"], rows, strict=True):
         assert cells[0] == f"`{s['precision']}`"
-        for cell, key in zip(cells[1:], ["log p full", "log p exact", "log p chunked", "log p chunked - exact"]):
+        for cell, key in zip(
+            cells[1:5], ["log p full", "log p exact", "log p chunked", "log p chunked - exact"], strict=True
+        ):
             assert _printed(cell, s[key]), (cell, key)
-        for cell, key in zip(cells[5:], ["JS exact", "JS chunked", "logit KL exact", "logit KL chunked"]):
+        for cell, key in zip(cells[5:9], ["JS exact", "JS chunked", "logit KL exact", "logit KL chunked"], strict=True):
             assert _printed(cell, s[key]), (cell, key)
         assert _printed(cells[9], s["logit KL chunked/exact"])
+
+
+def test_scale_table_is_the_reports_table():
+    from kvdemo.cli.scale import markdown_table
+
+    report = _report("scale.json")
+    table = markdown_table(report)
+    assert table in README, "README's scale table differs from assets/reports/scale.json"
+    _says_date(README.index(table), report["date"])
+    rows = {r["tokens"]: r for r in report["rows"] if r["precision"] == "int4"}
+    assert set(rows) >= {16384, 32768, 65536}
+    for r in rows.values():
+        assert r["peak_bytes"] == r["weights_bytes"] + r["cache_bytes"] + r["workspace_bytes"]
