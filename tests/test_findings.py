@@ -297,11 +297,16 @@ def test_findings_page_renders_the_shipped_report():
     assert "Findings" in at.title[0].value
     headers = [h.value for h in at.header]
     assert headers == [c["title"] for c in findings.CLAIMS]
-    table = at.dataframe(key="findings_table").value
+    table = _verdict_table(at)  # AppTest finds no dataframe by key: by its columns
     assert list(table["verdict"]) == [c["verdict"]["word"] for c in findings.evaluate(findings.load())]
     at.select_slider(key="findings_context").set_value(131072).run()
     assert not at.exception, at.exception
-    assert "131,072" in at.dataframe(key="findings_table").value["numbers"].iloc[0]
+    assert "131,072" in _verdict_table(at)["numbers"].iloc[0]
+
+
+def _verdict_table(at):
+    (table,) = [d.value for d in at.dataframe if {"verdict", "numbers"} <= set(d.value.columns)]
+    return table
 
 
 def test_shipped_json_round_trips_through_evaluate():
