@@ -61,7 +61,7 @@ def test_headroom_measure_cli(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
     data = json.loads(out.stdout)
     assert set(data["measured_max_sequences"]) == {"full", "int4"} and set(data["max_sequences"]) == {"full", "int4"}
-    bad = subprocess.run(cmd[:3] + ["--context", "512"], capture_output=True, text=True, cwd=ROOT)
+    bad = subprocess.run(cmd[:5] + ["--context", "512"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "--budget-gb" in bad.stderr
     with pytest.raises(ValueError, match="at least 2"):
         from argparse import Namespace
