@@ -15,3 +15,15 @@ def lm():
     from kvdemo.models import load_model
 
     return load_model("embedded", device="cpu", dtype="float32")
+
+
+def caches_equal(a, b) -> bool:
+    """Two QuantizedKVCaches hold the same regions and, dequantized, the same keys and values in every layer."""
+    import torch
+
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        ka, va = la.packed().dequantized()
+        kb, vb = lb.packed().dequantized()
+        if la.regions != lb.regions or not (torch.equal(ka, kb) and torch.equal(va, vb)):
+            return False
+    return True

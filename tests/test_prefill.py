@@ -2,20 +2,12 @@
 
 import pytest
 import torch
+from conftest import caches_equal
 
 from kvdemo import runner
 from kvdemo.texts import prose_ids
 
 pytestmark = pytest.mark.model
-
-
-def _caches_equal(a, b) -> bool:
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        ka, va = la.packed().dequantized()
-        kb, vb = lb.packed().dequantized()
-        if la.regions != lb.regions or not (torch.equal(ka, kb) and torch.equal(va, vb)):
-            return False
-    return True
 
 
 def test_exact_mode_stores_the_full_precision_prefill_and_chunked_compounds(lm):
@@ -25,11 +17,11 @@ def test_exact_mode_stores_the_full_precision_prefill_and_chunked_compounds(lm):
     exact = runner.new_cache(lm, "int4:g32:r32")
     exact_logits = runner.prefill(lm, ids, exact, chunk=64, mode="exact")
     assert torch.equal(exact_logits, full_logits)  # the prompt itself ran at full precision
-    assert _caches_equal(exact, runner.transplant(full, runner.new_cache(lm, "int4:g32:r32")))
+    assert caches_equal(exact, runner.transplant(full, runner.new_cache(lm, "int4:g32:r32")))
     chunked = runner.new_cache(lm, "int4:g32:r32")
     chunked_logits = runner.prefill(lm, ids, chunked, chunk=64, mode="chunked")
     assert chunked.layers[0].regions == exact.layers[0].regions
-    assert not _caches_equal(chunked, exact)  # later chunks attended over quantized earlier ones
+    assert not caches_equal(chunked, exact)  # later chunks attended over quantized earlier ones
     assert float((chunked_logits - full_logits).abs().max()) > 0
     same = runner.new_cache(lm, "full")  # full precision: the two modes are one
     assert torch.equal(runner.prefill(lm, ids, same, chunk=64, mode="exact"), full_logits)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from conftest import caches_equal
 from streamlit.testing.v1 import AppTest
 
 from kvdemo import figures, needle, prefill_modes, runner
@@ -26,15 +26,6 @@ CHUNK = 64
 @pytest.fixture
 def small_chunk(monkeypatch):
     monkeypatch.setattr(runner, "PREFILL_CHUNK", CHUNK)
-
-
-def _caches_equal(a, b) -> bool:
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        ka, va = la.packed().dequantized()
-        kb, vb = lb.packed().dequantized()
-        if la.regions != lb.regions or not (torch.equal(ka, kb) and torch.equal(va, vb)):
-            return False
-    return True
 
 
 # --- needle and drift ---------------------------------------------------------------------------------
@@ -111,10 +102,10 @@ def test_chat_lane_stores_the_document_as_runner_prefill_does(lm, mode):
     lane = session._lanes[1]
     direct = runner.new_cache(lm, SPEC)
     runner.prefill(lm, lane.ids, direct, chunk=CHUNK, mode=mode)
-    assert len(lane.ids) > 3 * CHUNK and _caches_equal(lane.cache, direct)
+    assert len(lane.ids) > 3 * CHUNK and caches_equal(lane.cache, direct)
     other = runner.new_cache(lm, SPEC)
     runner.prefill(lm, lane.ids, other, chunk=CHUNK, mode="chunked" if mode == "exact" else "exact")
-    assert not _caches_equal(lane.cache, other)
+    assert not caches_equal(lane.cache, other)
     base = session._lanes[0].cache
     session.set_prefill_mode("chunked" if mode == "exact" else "exact")
     assert lane.cache is None and session._lanes[0].cache is base  # only the quantized cache is rebuilt
