@@ -113,13 +113,18 @@ class _Growable:
     within ~3% of its live bytes (doubling would hold up to 2x and halve the saving quantization buys).
     A growth copies the buffer once; a quantized buffer grows at most once per flushed block, while
     decoding reads the whole cache every token, so the copies are a small fraction of the work.
+    `reserve(rows)` sizes the buffer for a known length up front (a prompt being prefilled): appends up
+    to there never regrow, so no old and new buffer are held at once and no freed ones pile up.
     """
 
     SPARE = 32  # spare capacity = needed // SPARE rows, at least MIN_ROWS
     MIN_ROWS = 4
 
     def __init__(self, dim: int = -2):
-        self.dim, self.data, self.length = dim, None, 0
+        self.dim, self.data, self.length, self.reserved = dim, None, 0, 0
+
+    def reserve(self, rows: int) -> None:
+        self.reserved = max(self.reserved, int(rows))
 
     @classmethod
     def capacity(cls, needed: int) -> int:
@@ -129,11 +134,11 @@ class _Growable:
         n = x.shape[self.dim]
         if self.data is None:
             shape = list(x.shape)
-            shape[self.dim] = self.capacity(n)
+            shape[self.dim] = max(self.capacity(n), self.reserved)
             self.data = torch.empty(shape, dtype=x.dtype, device=x.device)
         elif self.length + n > self.data.shape[self.dim]:
             shape = list(self.data.shape)
-            shape[self.dim] = self.capacity(self.length + n)
+            shape[self.dim] = max(self.capacity(self.length + n), self.reserved)
             bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
             bigger.narrow(self.dim, 0, self.length).copy_(self.view())
             self.data = bigger
@@ -177,6 +182,12 @@ class _PartBuffers:
         """x: the first states appended [B, H, n, D] (for dtype/device/shape); group: this part's group."""
         self.group, self.head_dim = group, x.shape[-1]
         self.sinks = x[:, :, :0].clone()
+
+    def reserve(self, code_rows: int, meta_rows: int, residual_rows: int) -> None:
+        self.codes.reserve(code_rows)
+        self.scale.reserve(meta_rows)
+        self.zero.reserve(meta_rows)
+        self.residual.reserve(residual_rows)
 
     def append(self, x: torch.Tensor, to_sinks: int) -> None:
         """x [B, H, n, D]: the first `to_sinks` rows go to the sinks, the rest to the residual."""
@@ -292,6 +303,19 @@ class QuantizedLayer(CacheLayerMixin):
         view = CacheView(self, before.tokens, key_states, value_states)
         return view, view
 
+    def reserve(self, tokens: int) -> None:
+        """Size the buffers for `tokens` positions (a prompt of known length): appends up to there write in
+        place. Codes and metadata get the rows one append of `tokens` would code (no chunking codes more);
+        a full-precision layer's residual gets all of them."""
+        if not self.spec.is_quantized:
+            self.keys.reserve(0, 0, tokens)
+            self.values.reserve(0, 0, tokens)
+            return
+        coded = self.layout.regions(tokens).quantized  # code rows include block 0's sink slots
+        key_meta = coded // self.spec.group_size if self.spec.key_axis == "channel" else coded
+        self.keys.reserve(coded, key_meta, 0)
+        self.values.reserve(coded, coded, 0)
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -345,6 +369,11 @@ class QuantizedKVCache(Cache):
             super().__init__(layer_class_to_replicate=lambda: QuantizedLayer(self.spec))
         else:
             super().__init__(layers=[QuantizedLayer(self.spec) for _ in range(num_layers)])
+
+    def reserve(self, tokens: int) -> None:
+        """`QuantizedLayer.reserve` on every layer (layers not created yet are not reserved)."""
+        for layer in self.layers:
+            layer.reserve(tokens)
 
     def nbytes(self) -> dict:
         """Live bytes of the whole cache: {"total", "codes", "scales", "residual", "sinks", "allocated"}."""

@@ -146,8 +146,12 @@ def figure_png(
     return png_path if png_path.is_file() else None
 
 
+README_FIGURES = {"tradeoff.png": ("tradeoff", 0), "long_range.png": ("long_range", 0)}  # file: (claim, figure)
+
+
 def write_report(found: dict, out_dir: str | Path, pdf: bool = True) -> dict:
-    """findings.json, findings.html and (with Chromium, `pdf`) findings.pdf in `out_dir`; their paths."""
+    """findings.json, findings.html and (with Chromium, `pdf`) findings.pdf and README's two figures as
+    PNGs (README_FIGURES) in `out_dir`; their paths."""
     out_dir = Path(out_dir)
     files = {"json": str(save(found, out_dir))}
     html_path = out_dir / "findings.html"
@@ -157,4 +161,8 @@ def write_report(found: dict, out_dir: str | Path, pdf: bool = True) -> dict:
         printed = print_pdf(html_path, out_dir / "findings.pdf")
         if printed is not None:
             files["pdf"] = str(printed)
+        for name, (claim_id, index) in README_FIGURES.items():
+            png = figure_png(figures.findings_figures(found, claim_id)[index], out_dir / name)
+            if png is not None:
+                files[name] = str(png)
     return files

@@ -98,8 +98,10 @@ def prefill(
     """
     if mode not in PREFILL_MODES:
         raise ValueError(f"unknown prefill mode {mode!r}; allowed: {', '.join(PREFILL_MODES)}")
+    cache.reserve(cache.get_seq_length() + len(ids))  # no buffer regrows (and is copied) chunk after chunk
     if mode == "exact" and cache.spec.is_quantized and cache.get_seq_length() == 0:
         full = new_cache(lm, "full")
+        full.reserve(len(ids))
         logits = forward(lm, ids, full, chunk, last_only=True)[-1]
         transplant(full, cache)
         return logits

@@ -75,6 +75,34 @@ def test_allocated_memory_stays_close_to_live_bytes(spec):
     assert worst < 1.10, worst
 
 
+@pytest.mark.parametrize("spec", ["int4", "int2:s4", "int4:ktoken", "k8v4", "fp8", "int4:g32:r64:s3", "full"])
+@pytest.mark.parametrize("step", [1, 100, 2048, 5000])
+def test_reserved_buffers_never_regrow_while_a_prompt_is_appended(spec, step):
+    """`reserve(T)` sizes codes / metadata (and a full cache's residual) for T tokens: chunked appends of
+    those T tokens write in place (no buffer is replaced, so none is copied), and hold no more than that."""
+    tokens = 5000
+    cache = QuantizedKVCache(spec, num_layers=1)
+    cache.reserve(tokens)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(B, H, tokens, D, generator=g), torch.randn(B, H, tokens, D, generator=g)
+    parts = [layer.keys, layer.values]
+    buffers = [b for p in parts for b in ((p.codes, p.scale, p.zero) if cache.spec.is_quantized else (p.residual,))]
+    first = {}
+    for i in range(0, tokens, step):
+        cache.update(k[:, :, i : i + step], v[:, :, i : i + step], 0)
+        for n, buf in enumerate(buffers):
+            if buf.data is not None:
+                assert first.setdefault(n, buf.data.data_ptr()) == buf.data.data_ptr(), f"buffer {n} regrew"
+    assert first, "nothing was stored"
+    live = sum(b.live_bytes() for b in buffers)
+    assert sum(b.allocated_bytes() for b in buffers) <= live * 1.05 + 4096  # reserved, not over-sized
+    one, _, _ = _fill(spec, tokens, seed=2)
+    ka, va = one.layers[0].packed().dequantized()
+    kb, vb = layer.packed().dequantized()
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 @pytest.mark.parametrize("spec", ["int4", "int8:s4", "fp8", "int4:g32:r64:s3"])
 def test_incremental_appends_store_the_same_as_one_prefill(spec):
     one, _, _ = _fill(spec, 400)

@@ -229,6 +229,9 @@ def test_pdf_has_a_page_or_more_per_claim(tmp_path):
     files = report.write_report(fake(), tmp_path)
     pages = len(PdfReader(files["pdf"]).pages)
     assert pages >= len(findings.CLAIMS) + 1  # the verdict table, then each claim from a new page
+    for name in report.README_FIGURES:  # README's figures come from the same command
+        png = Path(files[name]).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
 
 
 def test_cli_parser_has_findings():
