@@ -14,11 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_prefill_workspace_does_not_grow_with_the_past():
     """Chunked prefill over packed storage: what a prefill adds beyond its cache stays flat from 4k to 12k
-    tokens (each row in a fresh process, peak resident memory)."""
+    tokens (each row in a fresh process, peak resident memory with a fixed glibc mmap threshold)."""
     rows = prefill_rows([4096, 12288], ["int4"])
     small, big = rows
     assert big["cache_bytes"] > 2.5 * small["cache_bytes"]  # the cache grows with the prompt...
-    assert big["workspace_bytes"] < 1.2 * small["workspace_bytes"] + 16 * 2**20  # ...the workspace does not
+    # ...the workspace does not: a whole-past fp32 copy of one layer's keys and values at 12k is 12 MiB
+    assert abs(big["workspace_bytes"] - small["workspace_bytes"]) < 4 * 2**20
+    assert all("MALLOC_MMAP_THRESHOLD_=131072" in r["peak_measured_by"] for r in rows)  # see kvdemo.scale
     for r in rows:
         assert r["peak_bytes"] == r["weights_bytes"] + r["cache_bytes"] + r["workspace_bytes"]
 
