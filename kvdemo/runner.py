@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+from transformers import Cache
 
 from .cache import QuantizedKVCache
 from .models import LoadedModel
@@ -88,18 +89,22 @@ def forward(
 
 
 def prefill(
-    lm: LoadedModel, ids: Sequence[int], cache: QuantizedKVCache, chunk: int | None = None, mode: str = "chunked"
+    lm: LoadedModel, ids: Sequence[int], cache: Cache, chunk: int | None = None, mode: str = "chunked"
 ) -> torch.Tensor:
     """Append `ids`; return the float32 logits [vocab] for the token after them (only the last row).
 
+    `cache`: kvdemo's QuantizedKVCache (its buffers are sized for the whole prompt first, so no chunk
+    regrows them) or any transformers Cache (the bench's contenders; appended chunk by chunk).
     mode (PREFILL_MODES): "exact" computes an empty quantized cache's prompt at full precision and stores
     it quantized (`transplant`); into a cache that already holds tokens, or a full-precision one, both
     modes append chunk by chunk.
     """
     if mode not in PREFILL_MODES:
         raise ValueError(f"unknown prefill mode {mode!r}; allowed: {', '.join(PREFILL_MODES)}")
-    cache.reserve(cache.get_seq_length() + len(ids))  # no buffer regrows (and is copied) chunk after chunk
-    if mode == "exact" and cache.spec.is_quantized and cache.get_seq_length() == 0:
+    ours = isinstance(cache, QuantizedKVCache)
+    if ours:
+        cache.reserve(cache.get_seq_length() + len(ids))
+    if mode == "exact" and ours and cache.spec.is_quantized and cache.get_seq_length() == 0:
         full = new_cache(lm, "full")
         full.reserve(len(ids))
         logits = forward(lm, ids, full, chunk, last_only=True)[-1]

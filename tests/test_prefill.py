@@ -27,3 +27,14 @@ def test_exact_mode_stores_the_full_precision_prefill_and_chunked_compounds(lm):
     assert torch.equal(runner.prefill(lm, ids, same, chunk=64, mode="exact"), full_logits)
     with pytest.raises(ValueError, match="prefill mode"):
         runner.prefill(lm, ids, runner.new_cache(lm, "int4"), mode="fast")
+
+
+def test_prefill_takes_a_transformers_cache_too(lm):
+    """The bench prefills transformers' own caches through runner.prefill: no kvdemo-only call on them."""
+    from transformers import DynamicCache
+
+    ids = prose_ids(lm, 200)
+    ours = runner.prefill(lm, ids, runner.new_cache(lm, "full"), chunk=64)
+    theirs = DynamicCache()
+    assert torch.allclose(runner.prefill(lm, ids, theirs, chunk=64), ours, atol=1e-4)
+    assert theirs.get_seq_length() == len(ids)
