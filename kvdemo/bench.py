@@ -53,23 +53,23 @@ import dataclasses
 import datetime
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import runner
 from .attention import DECODE_MAX_QUERIES
 from .cache import QuantizedKVCache
 from .memory import fp16_cache_bytes
 from .models import LoadedModel
+from .ppl import exact_states, score_caches, store_states
 from .precision import parse_precision
 
 KVDEMO_PRESETS = ("int8", "k8v4", "k4v8", "int4", "int4:ktoken:g64", "int2", "fp8")
@@ -289,54 +289,6 @@ def cache_bytes(cache) -> dict:
 # --- model calls -------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def attention(lm: LoadedModel, impl: str) -> Iterator[None]:
-    """Run the model with attention implementation `impl`, restoring the previous one afterwards.
-
-    transformers' caches run with plain SDPA (the kvdemo function would hand their tensors to SDPA
-    anyway; switching keeps our code out of their path entirely). Not safe while another thread
-    generates with the same model.
-    """
-    before = lm.model.config._attn_implementation
-    if impl == before:
-        yield
-        return
-    lm.model.set_attn_implementation(impl)
-    try:
-        yield
-    finally:
-        lm.model.set_attn_implementation(before)
-
-
-@torch.no_grad()
-def exact_states(lm: LoadedModel, ids: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """One exact forward of `ids` (no chunking): per layer (keys, values) [1, Hkv, n, D], last logits [V]."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=lm.config)
-    x = torch.tensor([list(ids)], device=lm.device)  # [1, n]
-    with attention(lm, "sdpa"):
-        logits = lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-    return [(layer.keys, layer.values) for layer in cache.layers], logits.float()
-
-
-def store_states(cache, states: Sequence[tuple[torch.Tensor, torch.Tensor]], residual: int | None = None) -> None:
-    """Append exact per-layer states to a fresh cache: what the model's own prefill forward does (each
-    attention layer calls `cache.update(k, v, layer_idx)`; a first prefill attends over the exact states).
-
-    With `residual` R the T states go in as two updates, [0, T // R * R) then the rest: transformers'
-    QuantizedCache quantizes all of a first update and keeps a later short one exact, as kvdemo's residual
-    window keeps the last T mod R tokens, so every contender stores the same tokens quantized.
-    """
-    for i, (k, v) in enumerate(states):  # k, v: [1, Hkv, T, D]
-        split = k.shape[-2] // residual * residual if residual else 0
-        if 0 < split < k.shape[-2]:
-            cache.update(k[:, :, :split], v[:, :, :split], i)
-            cache.update(k[:, :, split:], v[:, :, split:], i)
-        else:
-            cache.update(k, v, i)
-
-
 def held_exact(cache) -> int | None:
     """How much a cache holds outside its quantized store (kvdemo: residual bytes; transformers'
     QuantizedCache: residual tokens of layer 0); it drops at a flush. None: a cache that never flushes."""
@@ -347,37 +299,6 @@ def held_exact(cache) -> int | None:
         return None
     keys = getattr(layer, "keys", None)
     return keys.shape[-2] if keys is not None and keys.dim() == 4 else 0
-
-
-@torch.no_grad()
-def token_nll(
-    lm: LoadedModel, cache, first_logits: torch.Tensor, ids: Sequence[int], start: int, chunk: int, keep_every: int = 0
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Negative log-likelihood [len(ids) - start] of ids[start:], the cache holding ids[:start], and the
-    log-softmax rows [ceil((len(ids) - start) / keep_every), V] of every `keep_every`-th prediction (None
-    when 0): what `logit_kl` compares.
-
-    ids[start] is scored by `first_logits`; then ids[start:-1] are fed `chunk` at a time, so each
-    prediction attends over what the cache stored.
-    """
-    ids = list(ids)
-    first = first_logits.float()[None]  # [1, V]: predicts ids[start]
-    nll = [F.cross_entropy(first, torch.tensor([ids[start]], device=first.device))[None]]
-    kept = [torch.log_softmax(first, -1)]  # scored index 0
-    for s in range(start, len(ids) - 1, chunk):
-        piece = ids[s : min(s + chunk, len(ids) - 1)]
-        logits = runner.forward(lm, piece, cache).float()  # [n, V]: row i predicts ids[s + 1 + i]
-        targets = torch.tensor(ids[s + 1 : s + 1 + len(piece)], device=logits.device)  # [n]
-        nll.append(F.cross_entropy(logits, targets, reduction="none"))
-        if keep_every:
-            rows = [i for i in range(len(piece)) if (s + 1 - start + i) % keep_every == 0]  # scored index % k
-            kept.append(torch.log_softmax(logits[rows], -1))
-    return torch.cat(nll), (torch.cat(kept) if keep_every else None)
-
-
-def logit_kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """KL(reference || other) [N] between rows of log-softmax [N, V] (nats)."""
-    return (reference.exp() * (reference - other)).sum(-1)
 
 
 @torch.no_grad()
@@ -490,7 +411,7 @@ def run_bench(
         c = row.contender
         progress(f"set-up probe: {c.name}")
         for attr in ("first_call_s", "second_call_s"):
-            with attention(lm, c.attention):
+            with runner.attention_impl(lm, c.attention):
                 t0 = time.perf_counter()
                 cache = c.make_cache(lm)
                 logits = runner.prefill(lm, prose[: sizes.warmup_tokens], cache)
@@ -504,7 +425,7 @@ def run_bench(
         for row in rows.values():
             c = row.contender
             progress(f"prefill {ctx}: {c.name}")
-            with attention(lm, c.attention):
+            with runner.attention_impl(lm, c.attention):
                 cache = c.make_cache(lm)
                 t0 = time.perf_counter()
                 logits = runner.prefill(lm, prose[:ctx], cache)
@@ -518,36 +439,24 @@ def run_bench(
                 c = row.contender
                 progress(f"decode {ctx} round {r + 1}/{sizes.rounds}: {c.name}")
                 cache, logits = live[c.name]
-                with attention(lm, c.attention):
+                with runner.attention_impl(lm, c.attention):
                     timed, logits = decode_round(lm, cache, logits, sizes.new_tokens)
                 live[c.name] = (cache, logits)
                 row.decode_rounds.setdefault(str(ctx), []).append(sizes.new_tokens / timed.seconds)
                 row.decode_steps.setdefault(str(ctx), []).append(timed)
         del live
 
-    # 3. perplexity of held-out text: an exact prefix, the rest fed in chunks through each cache; logit KL
-    # against full precision's next-token distributions (the first row: full)
+    # 3. perplexity of held-out text (kvdemo.ppl's protocol): an exact prefix, the rest fed in chunks
+    # through each cache; logit KL against full precision's next-token distributions (the first row: full)
     text = held_out_ids(lm, max(sizes.ppl_lengths))
-    progress(f"perplexity: exact prefix of {sizes.ppl_prefix} tokens")
-    states, first = exact_states(lm, text[: sizes.ppl_prefix])
-    reference = None  # log-softmax [n_kept, V] of full precision
-    for row in rows.values():
-        c = row.contender
-        progress(f"perplexity {sizes.ppl_prefix}..{len(text)}: {c.name}")
-        with attention(lm, c.attention):
-            cache = c.make_cache(lm)
-            store_states(cache, states, sizes.residual)
-            nll, kept = token_nll(lm, cache, first, text, sizes.ppl_prefix, sizes.chunk, sizes.kl_every)
-        if c.name == "full":
-            reference = kept
-        kl = logit_kl(reference, kept) if reference is not None else None  # [n_kept]
-        for n in sizes.ppl_lengths:
-            lo, hi = n // 2 - sizes.ppl_prefix, n - sizes.ppl_prefix  # scored indices of positions [N/2, N)
-            row.ppl[str(n)] = math.exp(float(nll[lo:hi].mean()))
-            if kl is not None:
-                row.logit_kl[str(n)] = float(kl[-(-lo // sizes.kl_every) : -(-hi // sizes.kl_every)].mean())
-        del cache, kept
-    del states, reference
+    caches = [
+        (row.contender.name, row.contender.attention, partial(row.contender.make_cache, lm)) for row in rows.values()
+    ]
+    scores = score_caches(
+        lm, caches, text, sizes.ppl_prefix, sizes.ppl_lengths, sizes.chunk, sizes.residual, sizes.kl_every, progress
+    )
+    for name, scored in scores:
+        rows[name].ppl, rows[name].logit_kl = scored.ppl, scored.logit_kl
 
     # 4. needle grid (kvdemo.needle's prompts): the context stored exactly, the question through each cache
     from .needle import build_prompt, cell_rng, default_haystack, make_task
@@ -562,7 +471,7 @@ def run_bench(
             states, _ = exact_states(lm, context)
             for row in rows.values():
                 c = row.contender
-                with attention(lm, c.attention):
+                with runner.attention_impl(lm, c.attention):
                     cache = c.make_cache(lm)
                     store_states(cache, states, sizes.residual)
                     score = answer_score(lm, cache, suffix, prompt.answer_ids)

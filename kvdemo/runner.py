@@ -6,9 +6,10 @@ Everything here takes a `LoadedModel` and plain token lists; results are datacla
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -86,6 +87,23 @@ def forward(
         logits = out.logits[0].float()
         outs = [logits] if last_only else [*outs, logits]
     return torch.cat(outs)
+
+
+@contextlib.contextmanager
+def attention_impl(lm: LoadedModel, impl: str) -> Iterator[None]:
+    """Run the model with attention implementation `impl` ("kvdemo", "sdpa"), restoring the previous one
+    afterwards. transformers' caches run with plain SDPA (the kvdemo function would hand their tensors to
+    SDPA anyway; switching keeps our code out of their path entirely). Not safe while another thread
+    generates with the same model."""
+    before = lm.model.config._attn_implementation
+    if impl == before:
+        yield
+        return
+    lm.model.set_attn_implementation(impl)
+    try:
+        yield
+    finally:
+        lm.model.set_attn_implementation(before)
 
 
 def prefill(

@@ -116,7 +116,8 @@ def measure_prefill(lm: LoadedModel, tokens: int, spec: PrecisionSpec | str, mod
         "prefill_s": round(seconds, 3),
         "peak_measured_by": "torch.cuda.max_memory_allocated"
         if gpu
-        else "VmHWM (peak resident memory), MALLOC_MMAP_THRESHOLD_=" + os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
+        else "VmHWM (peak resident memory), MALLOC_MMAP_THRESHOLD_="
+        + os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
     }
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, QuantizedCache
 from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
-from kvdemo import bench, runner
+from kvdemo import bench, ppl, runner
 
 ROOT = Path(__file__).resolve().parent.parent
 B, H, T, D = 1, 2, 256, 64  # toy cache: batch, kv heads, tokens, head_dim
@@ -137,15 +137,15 @@ def test_stored_prompt_keeps_the_same_tail_exact_in_every_cache():
 
     states = [_toy_states(layer, tokens=200) for layer in range(2)]
     theirs = QuantizedCache(backend="hqq", config=_toy_config(), nbits=4)
-    bench.store_states(theirs, states, residual=128)
+    ppl.store_states(theirs, states, residual=128)
     assert bench.held_exact(theirs) == 72
     assert theirs.layers[0]._quantized_keys[1]["shape"][-2] == 128  # the quantized part: tokens [0, 128)
     ours = QuantizedKVCache("int4", 2)
-    bench.store_states(ours, states, residual=128)
+    ppl.store_states(ours, states, residual=128)
     assert ours.layers[0].length == 200
     assert bench.held_exact(ours) == 2 * 2 * B * H * 72 * D * 4  # layers x (K, V) x 72 exact fp32 tokens
     one_update = QuantizedCache(backend="hqq", config=_toy_config(), nbits=4)
-    bench.store_states(one_update, states)
+    ppl.store_states(one_update, states)
     assert bench.held_exact(one_update) == 0
     assert bench.held_exact(DynamicCache(config=_toy_config())) is None
 
@@ -154,8 +154,8 @@ def test_logit_kl_is_zero_for_equal_rows_and_positive_otherwise():
     g = torch.Generator().manual_seed(0)
     a = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
     b = torch.log_softmax(torch.randn(5, 50, generator=g), -1)
-    assert torch.allclose(bench.logit_kl(a, a), torch.zeros(5), atol=1e-6)
-    kl = bench.logit_kl(a, b)
+    assert torch.allclose(ppl.logit_kl(a, a), torch.zeros(5), atol=1e-6)
+    kl = ppl.logit_kl(a, b)
     assert (kl > 0).all()
     assert kl[0] == pytest.approx(float((a[0].exp() * (a[0] - b[0])).sum()), rel=1e-6)
 
@@ -218,15 +218,15 @@ def test_stored_exact_states_equal_a_real_prefill(lm):
     from kvdemo.texts import prose_ids
 
     ids = prose_ids(lm, 296)
-    states, first = bench.exact_states(lm, ids[:280])
+    states, first = ppl.exact_states(lm, ids[:280])
     run, _ = bench.contenders(quick=True)
     for c in run:
-        with bench.attention(lm, c.attention):
+        with runner.attention_impl(lm, c.attention):
             real = c.make_cache(lm)
             logits = runner.prefill(lm, ids[:280], real)
             after_real = runner.forward(lm, ids[280:], real)
             stored = c.make_cache(lm)
-            bench.store_states(stored, states)
+            ppl.store_states(stored, states)
             after_stored = runner.forward(lm, ids[280:], stored)
         torch.testing.assert_close(logits, first, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(after_stored, after_real, rtol=1e-5, atol=1e-4)

@@ -1,7 +1,7 @@
 """Command line: `python -m kvdemo COMMAND ...`, a thin argparse layer over the functions the pages use.
 
 This package holds the parser and `main`; one module per command group (needle, drift, memory,
-documents, bench) holds its handler and text formatter, so the domain modules compute and return data.
+documents, bench, ppl, ...) holds its handler and text formatter, so the domain modules compute and return data.
 
 Every command prints JSON with --json (human-readable text otherwise). A mistake a user can make
 (bad precision string, missing file, unknown model) prints one line on stderr and exits with 2.
@@ -154,6 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--document", default="", help="drift: a document instead of the bundled prose")
     p.add_argument("--out", default="", help="also write the JSON to this file")
     p.set_defaults(func=_lazy("prefill_modes", "run_cli"), text=_lazy("prefill_modes", "format_text"))
+
+    p = sub.add_parser("ppl", help="perplexity of held-out text, every token attending over the stored cache")
+    _model_args(p)
+    p.add_argument("--precision", default="int8,k8v4,int4,int2", help="KV precisions (full always runs first)")
+    p.add_argument("--tokens", type=_positive_int, default=4096, help="text length; scored: [tokens/2, tokens)")
+    p.add_argument("--prefix", type=_positive_int, default=1024, help="tokens stored exactly before scoring starts")
+    p.add_argument("--out", default="", help="also write ppl.json into this folder")
+    p.set_defaults(func=_lazy("ppl", "run_cli"), text=_lazy("ppl", "format_text"))
 
     p = sub.add_parser("headroom", help="KV bytes/token and concurrent sequences per precision on a GPU budget")
     p.add_argument("--model-config", default="llama-3.1-8b", help="a reference config name or 'loaded'")

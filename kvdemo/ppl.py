@@ -1,0 +1,188 @@
+"""Perplexity of held-out text with every scored token attending over a stored cache: the benchmark's
+protocol, and `python -m kvdemo ppl`.
+
+The text's first `prefix` tokens go through one exact forward (`exact_states`) and are stored into each
+cache as the model's own prefill would store them (`store_states`, split at a multiple of the residual
+window, so transformers' QuantizedCache quantizes the same tokens kvdemo does). The rest is fed `chunk`
+(<= 16, kvdemo's decode path) tokens at a time, so every prediction attends over what the cache stored,
+quantized past included (`token_nll`). ppl[N] = exp(mean NLL) over positions [N/2, N); logit KL against
+full precision's next-token distributions on every `kl_every`-th scored position.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import runner
+from .attention import DECODE_MAX_QUERIES
+from .models import LoadedModel
+from .precision import PrecisionSpec, parse_precision
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One cache's scores over the held-out text (keyed by N as a string, as the reports are)."""
+
+    ppl: dict[str, float]  # N -> exp(mean NLL) over positions [N/2, N)
+    logit_kl: dict[str, float]  # N -> mean KL(full || this) over the kept positions in [N/2, N); 0 for full
+    cache: object  # the cache after scoring (it holds every token but the last)
+
+
+@torch.no_grad()
+def exact_states(lm: LoadedModel, ids: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """One exact forward of `ids` (no chunking): per layer (keys, values) [1, Hkv, n, D], last logits [V]."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=lm.config)
+    x = torch.tensor([list(ids)], device=lm.device)  # [1, n]
+    with runner.attention_impl(lm, "sdpa"):
+        logits = lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    return [(layer.keys, layer.values) for layer in cache.layers], logits.float()
+
+
+def store_states(cache, states: Sequence[tuple[torch.Tensor, torch.Tensor]], residual: int | None = None) -> None:
+    """Append exact per-layer states to a fresh cache: what the model's own prefill forward does (each
+    attention layer calls `cache.update(k, v, layer_idx)`; a first prefill attends over the exact states).
+
+    With `residual` R the T states go in as two updates, [0, T // R * R) then the rest: transformers'
+    QuantizedCache quantizes all of a first update and keeps a later short one exact, as kvdemo's residual
+    window keeps the last T mod R tokens, so every contender stores the same tokens quantized.
+    """
+    for i, (k, v) in enumerate(states):  # k, v: [1, Hkv, T, D]
+        split = k.shape[-2] // residual * residual if residual else 0
+        if 0 < split < k.shape[-2]:
+            cache.update(k[:, :, :split], v[:, :, :split], i)
+            cache.update(k[:, :, split:], v[:, :, split:], i)
+        else:
+            cache.update(k, v, i)
+
+
+@torch.no_grad()
+def token_nll(
+    lm: LoadedModel, cache, first_logits: torch.Tensor, ids: Sequence[int], start: int, chunk: int, keep_every: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Negative log-likelihood [len(ids) - start] of ids[start:], the cache holding ids[:start], and the
+    log-softmax rows [ceil((len(ids) - start) / keep_every), V] of every `keep_every`-th prediction (None
+    when 0): what `logit_kl` compares.
+
+    ids[start] is scored by `first_logits`; then ids[start:-1] are fed `chunk` at a time, so each
+    prediction attends over what the cache stored.
+    """
+    ids = list(ids)
+    first = first_logits.float()[None]  # [1, V]: predicts ids[start]
+    nll = [F.cross_entropy(first, torch.tensor([ids[start]], device=first.device))[None]]
+    kept = [torch.log_softmax(first, -1)]  # scored index 0
+    for s in range(start, len(ids) - 1, chunk):
+        piece = ids[s : min(s + chunk, len(ids) - 1)]
+        logits = runner.forward(lm, piece, cache).float()  # [n, V]: row i predicts ids[s + 1 + i]
+        targets = torch.tensor(ids[s + 1 : s + 1 + len(piece)], device=logits.device)  # [n]
+        nll.append(F.cross_entropy(logits, targets, reduction="none"))
+        if keep_every:
+            rows = [i for i in range(len(piece)) if (s + 1 - start + i) % keep_every == 0]  # scored index % k
+            kept.append(torch.log_softmax(logits[rows], -1))
+    return torch.cat(nll), (torch.cat(kept) if keep_every else None)
+
+
+def logit_kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) [N] between rows of log-softmax [N, V] (nats)."""
+    return (reference.exp() * (reference - other)).sum(-1)
+
+
+def score_caches(
+    lm: LoadedModel,
+    caches: Sequence[tuple[str, str, Callable[[], object]]],
+    text: Sequence[int],
+    prefix: int,
+    lengths: Sequence[int],
+    chunk: int = DECODE_MAX_QUERIES,
+    residual: int | None = None,
+    kl_every: int = 4,
+    on_progress: Callable[[str], None] | None = None,
+):
+    """Score `text` (at least max(lengths) tokens) through each cache of `caches`: (name, attention
+    implementation, make_cache), full precision first (the KL reference). Yields (name, Scored), one
+    cache at a time, so a caller can measure each cache before the next is built."""
+    if not 0 < prefix <= min(lengths) // 2:
+        raise ValueError(f"every length must be at least 2 x the exact prefix ({prefix}), got {list(lengths)}")
+    if not 1 <= chunk <= DECODE_MAX_QUERIES:
+        raise ValueError(f"chunk must be 1..{DECODE_MAX_QUERIES} (kvdemo's decode path), got {chunk}")
+    text = list(text)[: max(lengths)]
+    states, first = exact_states(lm, text[:prefix])
+    reference = None  # log-softmax [n_kept, V] of full precision
+    for name, impl, make_cache in caches:
+        if on_progress is not None:
+            on_progress(f"perplexity {prefix}..{len(text)}: {name}")
+        with runner.attention_impl(lm, impl):
+            cache = make_cache()
+            store_states(cache, states, residual)
+            nll, kept = token_nll(lm, cache, first, text, prefix, chunk, kl_every)
+        reference = kept if reference is None else reference
+        kl = logit_kl(reference, kept)  # [n_kept]; zeros for the reference itself
+        ppl, kls = {}, {}
+        for n in lengths:
+            lo, hi = n // 2 - prefix, n - prefix  # scored indices of positions [N/2, N)
+            ppl[str(n)] = math.exp(float(nll[lo:hi].mean()))
+            kls[str(n)] = float(kl[-(-lo // kl_every) : -(-hi // kl_every)].mean())
+        yield name, Scored(ppl, kls, cache)
+        del cache, kept
+
+
+def run_ppl(
+    lm: LoadedModel,
+    precisions: Sequence[PrecisionSpec | str],
+    tokens: int = 4096,
+    prefix: int = 1024,
+    chunk: int = DECODE_MAX_QUERIES,
+    kl_every: int = 4,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Perplexity at `tokens` tokens of the held-out text at each KV precision (full precision always runs
+    first, as the reference), with the cache's size after scoring on the 16-bit basis (kvdemo.sizes):
+    {"model", "tokens", "prefix", "chunk", "basis", "results": [{"precision", "ppl", "delta_vs_full",
+    "logit_kl", "bits_per_element", "ratio_vs_fp16", "live_bytes"}]}."""
+    from .memory import fp16_cache_bytes
+    from .sizes import SERVE_BITS, dtype_name, from_nbytes
+    from .texts import held_out_ids
+
+    if tokens > lm.max_context:
+        raise ValueError(f"--tokens {tokens} exceeds the model's context ({lm.max_context})")
+    specs = [parse_precision("full")] + [s for s in map(parse_precision, precisions) if s.label != "full"]
+    caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s)) for s in specs]
+    text = held_out_ids(lm, tokens)
+    results = []
+    for (name, scored), spec in zip(
+        score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress), specs, strict=True
+    ):
+        stored = scored.cache.get_seq_length()
+        size = from_nbytes(scored.cache.nbytes(), lm.dtype)
+        fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, stored)
+        results.append(
+            {
+                "precision": name,
+                "spec": spec.label,
+                "ppl": round(scored.ppl[str(tokens)], 4),
+                "delta_vs_full": None,
+                "logit_kl": float(f"{scored.logit_kl.get(str(tokens), 0.0):.4g}"),
+                "bits_per_element": round(SERVE_BITS * size.at16 / fp16, 3),
+                "ratio_vs_fp16": round(fp16 / size.at16, 4),
+                "live_bytes": int(size.live),
+                "stored_tokens": stored,
+            }
+        )
+    for r in results:
+        r["delta_vs_full"] = round(r["ppl"] - results[0]["ppl"], 4)
+    return {
+        "model": lm.name,
+        "tokens": tokens,
+        "prefix": prefix,
+        "chunk": chunk,
+        "scored_positions": [tokens // 2, tokens],
+        "basis": f"bits and ratios at 16 bits for the full-precision parts (the model runs in {dtype_name(lm.dtype)}); "
+        "live_bytes as stored",
+        "results": results,
+    }

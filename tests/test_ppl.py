@@ -1,0 +1,73 @@
+"""Perplexity over a stored cache (kvdemo.ppl): the bench's protocol as a function and a command."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvdemo import ppl, runner
+from kvdemo.cli import main
+from kvdemo.layout import Layout, region_bytes
+from kvdemo.memory import fp16_cache_bytes
+from kvdemo.precision import parse_precision
+from kvdemo.texts import held_out_ids
+
+pytestmark = pytest.mark.model
+
+TOKENS, PREFIX = 512, 128
+
+
+@pytest.fixture(scope="module")
+def scored(lm):
+    return ppl.run_ppl(lm, ["int8", "int2"], tokens=TOKENS, prefix=PREFIX)
+
+
+def test_full_precision_ppl_is_the_models_own_teacher_forced_ppl(lm, scored):
+    """Independent oracle: one plain forward of the whole text (the model's SDPA, no kvdemo cache) scores
+    positions [N/2, N) as the protocol's exact prefix + 16-token chunks through a full cache do."""
+    ids = held_out_ids(lm, TOKENS)
+    with runner.attention_impl(lm, "sdpa"), torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([ids])).logits[0].float()  # [N, V]: row i predicts ids[i + 1]
+    lo = TOKENS // 2
+    nll = F.cross_entropy(logits[lo - 1 : TOKENS - 1], torch.tensor(ids[lo:]))
+    full = scored["results"][0]
+    assert full["precision"] == "full" and full["delta_vs_full"] == 0 and full["logit_kl"] == 0
+    assert full["ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-3)
+
+
+def test_rows_order_cost_and_size(lm, scored):
+    rows = {r["precision"]: r for r in scored["results"]}
+    assert list(rows) == ["full", "int8", "int2"]
+    assert abs(rows["int8"]["delta_vs_full"]) < 0.05 * rows["full"]["ppl"]  # 8-bit keys/values: close to full
+    assert rows["int2"]["delta_vs_full"] > rows["int8"]["delta_vs_full"] + 0.1  # 2 bits cost clearly more
+    assert rows["int2"]["logit_kl"] > rows["int8"]["logit_kl"] > 0
+    assert rows["full"]["ratio_vs_fp16"] == pytest.approx(1.0) and rows["full"]["bits_per_element"] == 16
+    last = TOKENS - 1  # the cache holds every token but the last: the prefix in one update, then chunks of 16
+    updates = [PREFIX] + [min(s + 16, last) - s for s in range(PREFIX, last, 16)]
+    for name in ("int8", "int2"):  # sizes on the 16-bit basis, to the byte of the layout's formula
+        r, spec = rows[name], parse_precision(name)
+        assert r["stored_tokens"] == last
+        at16 = region_bytes(Layout(spec).regions(updates), lm.num_layers, lm.kv_heads, lm.head_dim, spec, 16)
+        fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, last)
+        assert r["ratio_vs_fp16"] == round(fp16 / at16["total"], 4) > 1.5, r
+
+
+def test_prefix_must_leave_the_scored_half_after_it(lm):
+    with pytest.raises(ValueError, match="2 x the exact prefix"):
+        ppl.run_ppl(lm, ["int4"], tokens=256, prefix=200)
+
+
+def test_cli_prints_the_documented_rows(lm, capsys, tmp_path):
+    assert (
+        main(["ppl", "--precision", "int4", "--tokens", "256", "--prefix", "64", "--json", "--out", str(tmp_path)]) == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "ppl.json").read_text()) == out
+    assert out["command"].startswith("python -m kvdemo ppl --model embedded --precision int4 --tokens 256")
+    assert [r["precision"] for r in out["results"]] == ["full", "int4"]
+    for r in out["results"]:
+        assert set(r) >= {"precision", "ppl", "delta_vs_full", "bits_per_element", "ratio_vs_fp16"}
+    assert main(["ppl", "--precision", "int4", "--tokens", "999999"]) == 2
+    assert "exceeds the model's context" in capsys.readouterr().err
