@@ -300,10 +300,10 @@ def exact_states(lm, ids: Sequence[int], chunk: int = 2048):
     import torch
     from transformers import DynamicCache
 
-    from .bench import attention
+    from .runner import attention_impl
 
     cache = DynamicCache(config=lm.config)
-    with torch.no_grad(), attention(lm, "sdpa"):
+    with torch.no_grad(), attention_impl(lm, "sdpa"):
         for s in range(0, len(ids), chunk):
             x = torch.tensor([list(ids[s : s + chunk])], device=lm.device)
             lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)

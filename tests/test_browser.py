@@ -225,7 +225,7 @@ def test_every_page_in_chromium(server, page, tmp_path):
     page.get_by_role("button", name="Keep meeting-notes.txt").click()
     idle(page)
     expect(page.locator('[data-testid="stFileUploader"]')).to_be_visible()
-    expect(messages).to_have_count(3)
+    expect(messages).to_have_count(6 if REFRESH else 3)  # the conversation is kept (two turns with screenshots)
     no_exception(page)
 
     # Needle: a grid cancelled mid-way keeps the cells it finished and frees the model for the next run.
