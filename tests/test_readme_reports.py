@@ -243,3 +243,14 @@ def test_scale_table_is_the_reports_table():
     assert set(rows) >= {16384, 32768, 65536}
     for r in rows.values():
         assert r["peak_bytes"] == r["weights_bytes"] + r["cache_bytes"] + r["workspace_bytes"]
+
+
+def test_ppl_table_is_the_reports_table():
+    from kvdemo.cli.ppl import markdown_table
+
+    report = _report("ppl.json")
+    table = markdown_table(report)
+    assert table in README, "README's ppl table differs from assets/reports/ppl.json"
+    _says_date(README.index(table), report["date"])
+    assert report["command"] in README
+    assert report["results"][0]["precision"] == "full" and report["results"][0]["delta_vs_full"] == 0

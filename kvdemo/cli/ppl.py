@@ -43,3 +43,17 @@ def format_text(out: dict) -> str:
         )
     lines.append(out["basis"])
     return "\n".join(lines)
+
+
+def markdown_table(out: dict) -> str:
+    """README's table of a `ppl` report."""
+    lines = [
+        f"| precision | ppl @{out['tokens']} | delta vs full | logit KL | bits/element | ratio vs fp16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in out["results"]:
+        lines.append(
+            f"| {r['precision']} | {r['ppl']:.3f} | {r['delta_vs_full']:+.3f} | {r['logit_kl']:.2e} | "
+            f"{r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f}x |"
+        )
+    return "\n".join(lines)
