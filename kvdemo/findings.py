@@ -10,9 +10,9 @@ context is built once per model (`build_sequence`): the chat template's user tur
 instruction, then held-out prose (`kvdemo.texts.held_out`, a book no other measurement uses) with
 multikey needles ("One of the special magic numbers for {key} is: {7 digits}.", Hsieh et al., RULER,
 arXiv 2404.06654) placed near its start. Its exact keys/values are computed once per weight setting
-(one full-precision forward, `exact_states`). Then, per KV precision, a sweep stores those exact states
-into a cache at that precision, checkpoint by checkpoint (a document cached before the user reads on),
-and at each checkpoint a fork of the cache is read on:
+(one full-precision forward in pieces of 2048 tokens, `kvdemo.ppl.exact_states`). Then, per KV
+precision, a sweep stores those exact states into a cache at that precision, checkpoint by checkpoint
+(a document cached before the user reads on), and at each checkpoint a fork of the cache is read on:
 
 - perplexity windows: the next `window` tokens of the text are teacher-forced as decoding would feed
   them (`needle.forward_as_decoding`: equal to one token at a time), so every scored token attends over
@@ -295,21 +295,6 @@ def with_weights(lm, weights: str):
 # --- measuring one precision ---------------------------------------------------------------------------
 
 
-def exact_states(lm, ids: Sequence[int], chunk: int = 2048):
-    """Per layer (keys, values) [1, Hkv, T, D] of an exact full-precision forward over `ids` (chunked)."""
-    import torch
-    from transformers import DynamicCache
-
-    from .runner import attention_impl
-
-    cache = DynamicCache(config=lm.config)
-    with torch.no_grad(), attention_impl(lm, "sdpa"):
-        for s in range(0, len(ids), chunk):
-            x = torch.tensor([list(ids[s : s + chunk])], device=lm.device)
-            lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 def measure_spec(
     lm, seq: Sequence_, states, spec, window: int, kl_every: int, reference=None, should_stop=None
 ) -> dict | None:
@@ -465,6 +450,7 @@ def _cached_states(lm, weights: str, seq: Sequence_, use_cache: bool, wait_s: fl
     import torch
 
     from .models import cache_dir
+    from .ppl import exact_states
 
     path = (
         cache_dir()
@@ -479,7 +465,7 @@ def _cached_states(lm, weights: str, seq: Sequence_, use_cache: bool, wait_s: fl
             return torch.load(path)
         except (OSError, RuntimeError, EOFError):
             pass
-    states = exact_states(lm, seq.ids)
+    states, _ = exact_states(lm, seq.ids, chunk=2048)
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -34,14 +34,20 @@ class Scored:
 
 
 @torch.no_grad()
-def exact_states(lm: LoadedModel, ids: Sequence[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """One exact forward of `ids` (no chunking): per layer (keys, values) [1, Hkv, n, D], last logits [V]."""
+def exact_states(
+    lm: LoadedModel, ids: Sequence[int], chunk: int | None = None
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """An exact full-precision forward of `ids` (SDPA, a DynamicCache), in pieces of `chunk` tokens (None:
+    one forward): per layer (keys, values) [1, Hkv, n, D], and the last logits [V]."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=lm.config)
-    x = torch.tensor([list(ids)], device=lm.device)  # [1, n]
+    ids = list(ids)
+    step = chunk or len(ids)
     with runner.attention_impl(lm, "sdpa"):
-        logits = lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        for s in range(0, len(ids), step):
+            x = torch.tensor([ids[s : s + step]], device=lm.device)  # [1, n]
+            logits = lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     return [(layer.keys, layer.values) for layer in cache.layers], logits.float()
 
 
@@ -155,19 +161,16 @@ def run_ppl(
     caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s)) for s in specs]
     text = held_out_ids(lm, tokens)
     results = []
-    for (name, scored), spec in zip(
-        score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress), specs, strict=True
-    ):
+    for name, scored in score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress):
         stored = scored.cache.get_seq_length()
         size = from_nbytes(scored.cache.nbytes(), lm.dtype)
         fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, stored)
         results.append(
             {
                 "precision": name,
-                "spec": spec.label,
                 "ppl": round(scored.ppl[str(tokens)], 4),
                 "delta_vs_full": None,
-                "logit_kl": float(f"{scored.logit_kl.get(str(tokens), 0.0):.4g}"),
+                "logit_kl": float(f"{scored.logit_kl[str(tokens)]:.4g}"),
                 "bits_per_element": round(SERVE_BITS * size.at16 / fp16, 3),
                 "ratio_vs_fp16": round(fp16 / size.at16, 4),
                 "live_bytes": int(size.live),
