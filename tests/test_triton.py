@@ -43,6 +43,7 @@ from kvdemo import quant as kvquant  # noqa: E402
 from kvdemo.cache import CacheView, QuantizedLayer  # noqa: E402
 from kvdemo.precision import parse_precision  # noqa: E402
 from kvdemo.quant import reference as ref  # noqa: E402
+from kvdemo.quant import triton_kernels as kernels  # noqa: E402
 
 pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,14 +131,13 @@ def _assert_same_quantized(a: ref.QuantizedTensor, b: ref.QuantizedTensor) -> No
 
 @triton.jit
 def _fp8_roundtrip_kernel(x_ptr, enc_ptr, byte_ptr, dec_ptr, n, FP8: tl.constexpr, BLOCK: tl.constexpr):
-    from kvdemo.quant.triton_kernels import _fp8_decode, _fp8_encode
-
+    # the helpers through the module (an import statement does not compile; reload keeps the module object)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + offs, mask=ok, other=0.0)
-    tl.store(enc_ptr + offs, _fp8_encode(x, FP8).to(tl.uint8), mask=ok)
+    tl.store(enc_ptr + offs, kernels._fp8_encode(x, FP8).to(tl.uint8), mask=ok)
     byte = tl.load(byte_ptr + offs, mask=ok, other=0).to(tl.int32)
-    tl.store(dec_ptr + offs, _fp8_decode(byte, FP8), mask=ok)
+    tl.store(dec_ptr + offs, kernels._fp8_decode(byte, FP8), mask=ok)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
@@ -376,7 +376,8 @@ def test_past_attention_many_query_rows(tk):
     wide = _layer("int4:g32:r32:s4", 1, 128, [90], seed=42).packed()
     big = torch.randn(1, 8, 9, 128, generator=torch.Generator().manual_seed(43))  # 72 rows -> 128 x 128 > limit
     assert not tk.supports_attention(big, wide)
-    torch.testing.assert_close(tk.past_attention(big, wide, 0.1), ref.past_attention(big, wide, 0.1), rtol=0, atol=0)
+    handed = ref.past_attention(big.to(DEVICE), _to(wide, DEVICE), 0.1)  # the reference, on the kernel's device
+    torch.testing.assert_close(tk.past_attention(big, wide, 0.1), tuple(t.cpu() for t in handed), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

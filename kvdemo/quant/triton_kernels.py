@@ -875,7 +875,10 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     lse_part = torch.empty((b * hkv, parts, block_m), dtype=torch.float32, device=query.device)
     out = torch.empty((b, hq, n, d), dtype=torch.float32, device=query.device)
     lse = torch.empty((b, hq, n), dtype=torch.float32, device=query.device)
+    # stand-ins for absent tensors, of the dtypes the kernel reads there (it is compiled for both branches:
+    # a float pointer where codes belong would give the PTX unpacking blocks fp32 inputs)
     dummy = query
+    no_codes, no_meta = query.new_empty(1, dtype=torch.uint8), query.new_empty(1, dtype=torch.float16)
     q_arg = query if query.stride(-1) == 1 else query.contiguous()
     k_fmt = keys.fmt if quant else "int8"
     v_fmt = values.fmt if quant else "int8"
@@ -886,12 +889,12 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         *_arg(kv.values.sinks, dummy),
         *_arg(kv.keys.residual, dummy),
         *_arg(kv.values.residual, dummy),
-        *_arg(keys.codes if quant else None, dummy),
-        *_arg(keys.scale if quant else None, dummy),
-        *_arg(keys.zero if quant else None, dummy),
-        *_arg(values.codes if quant else None, dummy),
-        *_arg(values.scale if quant else None, dummy),
-        *_arg(values.zero if quant else None, dummy),
+        *_arg(keys.codes if quant else None, no_codes),
+        *_arg(keys.scale if quant else None, no_meta),
+        *_arg(keys.zero if quant else None, no_meta),
+        *_arg(values.codes if quant else None, no_codes),
+        *_arg(values.scale if quant else None, no_meta),
+        *_arg(values.zero if quant else None, no_meta),
         o_part,
         lse_part,
         hkv,
