@@ -254,3 +254,18 @@ def test_ppl_table_is_the_reports_table():
     _says_date(README.index(table), report["date"])
     assert report["command"] in README
     assert report["results"][0]["precision"] == "full" and report["results"][0]["delta_vs_full"] == 0
+
+
+def test_gpu_run_figures_match_its_report():
+    """The first GPU run's figures in README come from assets/reports/gpu/."""
+    gpu = ROOT / "assets" / "reports" / "gpu"
+    report = json.loads((gpu / "gpu_attention.json").read_text())
+    goals = report["goals"]
+    m = re.search(r"int4 ([\d.]+)x of SDPA.*?int8 ([\d.]+)x \(goal", README, re.S)
+    assert m and _printed(m.group(1), goals["int4_speedup_64k_b8"]["measured"])
+    assert _printed(m.group(2), goals["int8_speedup_64k_b8"]["measured"])
+    best = re.search(r"the best launch\s+setting of the sweep gave ([\d.]+)x", README)
+    assert best and _printed(best.group(1), goals["int4_speedup_64k_b8"]["best_launch_setting"]["speedup"])
+    q = re.search(r"at ([\d.]+) of copy bandwidth", README)
+    assert q and _printed(q.group(1), goals["quantize_fraction_of_copy"]["measured"])
+    assert re.search(r"62 passed, 4 skipped", (gpu / "gpu_tests.txt").read_text()) and "62 passed, 4 skipped" in README
