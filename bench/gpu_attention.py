@@ -532,7 +532,7 @@ def long_row(job: dict, lm) -> dict:
             t0 = time.perf_counter()
             gen = torch.Generator().manual_seed(1)
             ids = torch.randint(1, lm.config.vocab_size, (2 * runner.PREFILL_CHUNK,), generator=gen).tolist()
-            runner.prefill(lm, ids, QuantizedKVCache(spec, num_layers=lm.num_layers))
+            runner.prefill(lm, ids, runner.new_cache(lm, spec))
             _sync(lm.device)
             warmup_s = time.perf_counter() - t0
             stats |= zero

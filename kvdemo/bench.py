@@ -70,7 +70,7 @@ from .cache import QuantizedKVCache
 from .memory import fp16_cache_bytes
 from .models import LoadedModel
 from .ppl import exact_states, score_caches, store_states
-from .precision import parse_precision
+from .precision import PrecisionSpec, parse_precision
 
 KVDEMO_PRESETS = ("int8", "k8v4", "k4v8", "int4", "int4:ktoken:g64", "int2", "fp8")
 QUICK_PRESETS = ("int4", "int4:ktoken:g64")
@@ -308,6 +308,42 @@ def decode_steps(lm: LoadedModel, cache, logits: torch.Tensor, steps: int) -> tu
     for _ in range(steps):
         logits = runner.prefill(lm, [int(torch.argmax(logits))], cache)
     return time.perf_counter() - start, logits
+
+
+@torch.no_grad()
+def decode_speed(
+    lm: LoadedModel,
+    precisions: Sequence[PrecisionSpec | str],
+    context: int = 4096,
+    steps: int = 16,
+    rounds: int = 5,
+    on_progress=None,
+) -> dict:
+    """Greedy decode tokens/s after a `context`-token prompt of held-out text, every precision in one run:
+    each cache is prefilled once, then `rounds` rounds of `steps` steps go round-robin over the caches, so
+    load on the machine hits every precision alike. Per precision the median round, and its ratio to the
+    first precision's ({"context", "steps", "rounds", "results": [{"precision", "tokens_per_s",
+    "vs_first"}]})."""
+    from .texts import held_out_ids
+
+    specs = [parse_precision(p) for p in precisions]
+    ids = held_out_ids(lm, context)
+    live = []
+    for spec in specs:
+        if on_progress is not None:
+            on_progress(f"decode speed: prefill {context} tokens at {spec.label}")
+        cache = runner.new_cache(lm, spec)
+        live.append([cache, runner.prefill(lm, ids, cache, mode="exact"), []])
+    for _ in range(rounds):
+        for entry in live:
+            seconds, entry[1] = decode_steps(lm, entry[0], entry[1], steps)
+            entry[2].append(seconds)
+    results = []
+    for spec, (_, _, times) in zip(specs, live, strict=True):
+        results.append({"precision": spec.label, "tokens_per_s": round(steps / statistics.median(times), 3)})
+    for r in results:
+        r["vs_first"] = round(r["tokens_per_s"] / results[0]["tokens_per_s"], 3)
+    return {"context": context, "steps": steps, "rounds": rounds, "results": results}
 
 
 @dataclass

@@ -13,6 +13,7 @@ counts the bytes of the live data, tensor by tensor, and the bytes allocated.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from .layout import Layout, Regions
 from .precision import PrecisionSpec, parse_precision
 from .quant import quantize, reference
 from .quant.reference import QuantizedTensor
+from .quant.rotations import hadamard
 
 
 @dataclass
@@ -168,25 +170,46 @@ class _Growable:
         return 0 if self.data is None else self.data.numel() * self.data.element_size()
 
 
-class _PartBuffers:
-    """Storage of one of a layer's keys / values: sinks, packed codes + fp16 metadata, residual."""
+@dataclass
+class Method:
+    """How one part (keys or values) is coded beyond its format: `reference.quantize`'s keywords."""
 
-    def __init__(self, fmt: str, axis: str):
-        self.fmt, self.axis = fmt, axis
+    levels: torch.Tensor | None = None  # nuq codebook
+    outliers: float = 0.0  # percent kept as sparse corrections
+    rotation: torch.Tensor | None = None  # Hadamard [D, D]
+    rope: object = None  # rotations.Rope (pre-RoPE keys)
+    block: int = 0  # nvfp4: tokens per tensor scale (the group size)
+
+
+class _PartBuffers:
+    """Storage of one of a layer's keys / values: sinks, packed codes + metadata (+ sparse outliers, nvfp4
+    tensor scales), residual."""
+
+    def __init__(self, fmt: str, axis: str, method: Method | None = None):
+        self.fmt, self.axis, self.method = fmt, axis, method or Method()
         self.group = 0  # set by `configure` once head_dim is known
         self.sinks: torch.Tensor | None = None  # [B, H, S, D]
         self.codes, self.scale, self.zero = _Growable(), _Growable(), _Growable()
+        self.tensor_scale = _Growable(dim=-1)  # nvfp4: fp32 [B, H, blocks]
+        self.outlier_delta, self.outlier_index = _Growable(), _Growable()  # [B, H, rows, cap]
         self.residual = _Growable()  # [B, H, R, D]
 
     def configure(self, x: torch.Tensor, group: int) -> None:
         """x: the first states appended [B, H, n, D] (for dtype/device/shape); group: this part's group."""
         self.group, self.head_dim = group, x.shape[-1]
         self.sinks = x[:, :, :0].clone()
+        if self.method.rotation is not None:
+            self.method.rotation = self.method.rotation.to(x.device)
+        if self.method.levels is not None:
+            self.method.levels = self.method.levels.to(x.device)
 
     def reserve(self, code_rows: int, meta_rows: int, residual_rows: int) -> None:
         self.codes.reserve(code_rows)
         self.scale.reserve(meta_rows)
         self.zero.reserve(meta_rows)
+        if self.method.outliers:
+            self.outlier_delta.reserve(code_rows)
+            self.outlier_index.reserve(code_rows)
         self.residual.reserve(residual_rows)
 
     def append(self, x: torch.Tensor, to_sinks: int) -> None:
@@ -200,29 +223,54 @@ class _PartBuffers:
         """Quantize the residual's first `take` rows into codes; `pad_front` dummy rows (copies of the first
         row) go before them when block 0 also covers the sink slots (excluded from the block's statistics)."""
         x = self.residual.view(take)
+        start = self.codes.length  # absolute position of the first row (code rows start at position 0)
+        m = self.method
         if pad_front:
-            x = torch.cat([x[:, :, :1].expand(-1, -1, pad_front, -1), x], dim=-2)
-        q = quantize(x, self.fmt, self.axis, self.group)
+            first = x[:, :, :1]
+            if m.rope is not None:  # a dummy row at position p is the first key moved there (same pre-RoPE key)
+                moved = m.rope.undo(first, start + pad_front).expand(-1, -1, pad_front, -1)
+                pad = m.rope.apply(moved, start).to(x.dtype)
+            else:
+                pad = first.expand(-1, -1, pad_front, -1)
+            x = torch.cat([pad, x], dim=-2)
+        q = quantize(
+            x, self.fmt, self.axis, self.group, levels=m.levels, outliers=m.outliers, rotation=m.rotation,
+            rope=m.rope, start=start, block=m.block,
+        )  # fmt: skip
         self.codes.append(q.codes)
         self.scale.append(q.scale)
         if q.zero is not None:
             self.zero.append(q.zero)
+        if q.tensor_scale is not None:
+            self.tensor_scale.append(q.tensor_scale)
+        if q.outlier_delta is not None:
+            self.outlier_delta.append(q.outlier_delta)
+            self.outlier_index.append(q.outlier_index)
         self.residual.drop_front(take)
 
     def stored(self, r: Regions, code_rows: int, meta_rows: int) -> StoredPart:
         """The part as attention reads it at regions `r` (restricted to [0, r.tokens))."""
         quantized = None
         if r.has_codes:
-            zero = self.zero.view(meta_rows)
+            m = self.method
             quantized = QuantizedTensor(
                 self.codes.view(code_rows),
                 self.scale.view(meta_rows),
-                zero,
+                self.zero.view(meta_rows),
                 self.fmt,
                 self.axis,
                 self.group,
                 self.head_dim,
+                levels=m.levels,
+                rotation=m.rotation,
+                rope=m.rope,
+                block=m.block,
             )
+            if m.block:  # nvfp4: the blocks of code rows [0, code_rows)
+                quantized.tensor_scale = self.tensor_scale.view(-(-code_rows // m.block))
+            if self.outlier_delta.data is not None:
+                quantized.outlier_delta = self.outlier_delta.view(code_rows)
+                quantized.outlier_index = self.outlier_index.view(code_rows)
         residual = self.residual.view(r.residual) if r.residual > 0 else None
         return StoredPart(
             self.sinks[:, :, : r.sinks], quantized, self.sinks[:, :, :0] if residual is None else residual
@@ -230,13 +278,17 @@ class _PartBuffers:
 
     def nbytes(self) -> dict:
         sinks = 0 if self.sinks is None else self.sinks.numel() * self.sinks.element_size()
-        bufs = (self.codes, self.scale, self.zero, self.residual)
+        bufs = (self.codes, self.scale, self.zero, self.tensor_scale, self.outlier_delta, self.outlier_index)
+        levels = self.method.levels
+        codebook = levels.numel() * 2 if levels is not None and self.codes.length else 0  # fp16 levels
         return {
             "codes": self.codes.live_bytes(),
-            "scales": self.scale.live_bytes() + self.zero.live_bytes(),
+            "scales": self.scale.live_bytes() + self.zero.live_bytes() + self.tensor_scale.live_bytes(),
+            "outliers": self.outlier_delta.live_bytes() + self.outlier_index.live_bytes(),
+            "codebooks": codebook,
             "residual": self.residual.live_bytes(),
             "sinks": sinks,
-            "allocated": sum(b.allocated_bytes() for b in bufs) + sinks,
+            "allocated": sum(b.allocated_bytes() for b in (*bufs, self.residual)) + sinks + codebook,
         }
 
 
@@ -247,13 +299,14 @@ class QuantizedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, spec: PrecisionSpec):
+    def __init__(self, spec: PrecisionSpec, key_method: Method | None = None, value_method: Method | None = None):
         super().__init__()
         self.spec = spec
         self.layout = Layout(spec)
         self.regions = Regions(0, 0, 0)
-        self.keys = _PartBuffers(spec.key_format, spec.key_axis)
-        self.values = _PartBuffers(spec.value_format, "token")
+        self._methods = (key_method, value_method)
+        self.keys = _PartBuffers(spec.key_format, spec.key_axis, copy.copy(key_method))
+        self.values = _PartBuffers(spec.value_format, "token", copy.copy(value_method))
 
     @property
     def length(self) -> int:  # T
@@ -275,11 +328,12 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(f"value head_dim {value_states.shape[-1]} differs from key head_dim {d}")
         if spec.is_quantized:
             for fmt in (spec.key_format, spec.value_format):
-                per_byte = reference.codes_per_byte(fmt)
-                if d % per_byte:
-                    raise ValueError(f"head_dim {d} cannot be packed {per_byte} codes per byte")
-            if d % spec.value_group(d):
+                reference.packed_width(fmt, d)  # ValueError when d cannot be packed
+            if d % spec.value_group(d) or d % spec.key_group(d) and spec.key_axis == "token":
                 raise ValueError(f"head_dim {d} is not a multiple of the group size")
+            if spec.hadamard:
+                rotation = hadamard(d)  # ValueError unless d is a power of two
+                self.keys.method.rotation = self.values.method.rotation = rotation
         self.keys.configure(key_states, spec.key_group(d))
         self.values.configure(value_states, spec.value_group(d))
         self.is_initialized = True
@@ -313,6 +367,9 @@ class QuantizedLayer(CacheLayerMixin):
             return
         coded = self.layout.regions(tokens).quantized  # code rows include block 0's sink slots
         key_meta = coded // self.spec.group_size if self.spec.key_axis == "channel" else coded
+        for part in (self.keys, self.values):
+            if part.method.block:
+                part.tensor_scale.reserve(coded // part.method.block)
         self.keys.reserve(coded, key_meta, 0)
         self.values.reserve(coded, coded, 0)
 
@@ -326,7 +383,7 @@ class QuantizedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.spec)
+        self.__init__(self.spec, *self._methods)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("QuantizedKVCache supports greedy / sampling, not beam search")
@@ -363,12 +420,32 @@ class QuantizedKVCache(Cache):
     model runs with the "kvdemo" attention (`kvdemo.attention.use_kvdemo_attention(model)`).
     """
 
-    def __init__(self, spec: PrecisionSpec | str, num_layers: int | None = None):
-        self.spec = parse_precision(spec)
+    def __init__(self, spec: PrecisionSpec | str, num_layers: int | None = None, rope=None, codebooks=None):
+        """rope: the model's `rotations.Rope` (needed by pre-RoPE keys: `runner.new_cache` passes it);
+        codebooks: a `codebooks.Codebooks` for nuq formats (default: NormalFloat levels)."""
+        self.spec = spec = parse_precision(spec)
+        if spec.pre_rope and rope is None:
+            raise ValueError("prerope keys need the model's rotary embedding: make the cache with runner.new_cache")
+        if any(spec.codebook_levels().values()) and codebooks is None:
+            from .codebooks import Codebooks
+
+            codebooks = Codebooks.normal_float()
+        self.rope, self.codebooks = rope, codebooks
         if num_layers is None:
-            super().__init__(layer_class_to_replicate=lambda: QuantizedLayer(self.spec))
+            made = iter(range(1 << 30))
+            super().__init__(layer_class_to_replicate=lambda: self._layer(next(made)))
         else:
-            super().__init__(layers=[QuantizedLayer(self.spec) for _ in range(num_layers)])
+            super().__init__(layers=[self._layer(i) for i in range(num_layers)])
+
+    def _layer(self, index: int) -> QuantizedLayer:
+        spec = self.spec
+        methods = []
+        for part, fmt in (("key", spec.key_format), ("value", spec.value_format)):
+            levels = self.codebooks.levels(index, part, spec) if fmt.startswith("nuq") else None
+            rope = self.rope if part == "key" and spec.pre_rope else None
+            block = spec.group_size if fmt == "nvfp4" else 0
+            methods.append(Method(levels, spec.outliers, None, rope, block))
+        return QuantizedLayer(spec, *methods)
 
     def reserve(self, tokens: int) -> None:
         """`QuantizedLayer.reserve` on every layer (layers not created yet are not reserved)."""
@@ -376,10 +453,11 @@ class QuantizedKVCache(Cache):
             layer.reserve(tokens)
 
     def nbytes(self) -> dict:
-        """Live bytes of the whole cache: {"total", "codes", "scales", "residual", "sinks", "allocated"}."""
-        out = {"codes": 0, "scales": 0, "residual": 0, "sinks": 0, "allocated": 0}
+        """Live bytes of the whole cache: {"total", "codes", "scales", "outliers", "codebooks", "residual", "sinks",
+        "allocated"}."""
+        out = dict.fromkeys(("codes", "scales", "outliers", "codebooks", "residual", "sinks", "allocated"), 0)
         for layer in self.layers:
             for key, val in layer.nbytes().items():
                 out[key] += val
-        out["total"] = out["codes"] + out["scales"] + out["residual"] + out["sinks"]
+        out["total"] = sum(out[k] for k in ("codes", "scales", "outliers", "codebooks", "residual", "sinks"))
         return out

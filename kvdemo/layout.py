@@ -126,17 +126,19 @@ def bytes_per_token(layers: int, kv_heads: int, head_dim: int, spec: PrecisionSp
 def region_bytes(
     regions: Regions, layers: int, kv_heads: int, head_dim: int, spec: PrecisionSpec | str, full_bits: int
 ) -> dict:
-    """Bytes of a cache in state `regions` (whole model): {"quantized", "sinks", "residual", "total"}.
+    """Bytes of a cache in state `regions` (whole model): {"quantized", "codebooks", "sinks", "residual", "total"}.
 
-    Codes count whole rows from position 0 (the sink slots of block 0 hold dummy codes), as stored.
+    Codes count whole rows from position 0 (the sink slots of block 0 hold dummy codes), as stored;
+    "quantized" holds codes, scales and sparse outliers; "codebooks" the nuq levels (fp16, per layer).
     """
     spec = parse_precision(spec)
     full = bytes_per_token(layers, kv_heads, head_dim, "full", full_bits)
     quant = bytes_per_token(layers, kv_heads, head_dim, spec, full_bits)
     out = {
         "quantized": round(quant * regions.quantized) if regions.has_codes else 0,
+        "codebooks": layers * 2 * sum(spec.codebook_levels().values()) if regions.has_codes else 0,
         "sinks": round(full * regions.sinks),
         "residual": round(full * regions.residual),
     }
-    out["total"] = out["quantized"] + out["sinks"] + out["residual"]
+    out["total"] = out["quantized"] + out["codebooks"] + out["sinks"] + out["residual"]
     return out

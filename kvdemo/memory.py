@@ -112,7 +112,9 @@ def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[Precisio
                 "ratio_vs_fp16": round(fp16 / nb["total"], 4),
                 "bits_per_element": round(bits["mean"], 4),
                 "bytes_per_token": round(nb["total"] / tokens, 1),
-                "breakdown": {k: nb[k] for k in ("codes", "scales", "residual", "sinks", "allocated")},
+                "breakdown": {
+                    k: nb[k] for k in ("codes", "scales", "outliers", "codebooks", "residual", "sinks", "allocated")
+                },
                 "spec": spec.to_dict(),
             }
         )

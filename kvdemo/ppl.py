@@ -189,3 +189,68 @@ def run_ppl(
         "live_bytes as stored",
         "results": results,
     }
+
+
+# --- the methods ablation (issue 17): KVQuant's table, on this model --------------------------------
+
+ABLATION_BITS = (4, 3, 2)
+ABLATION_COLUMNS = {  # column -> precision at {b} bits (None: the column has no format at that width)
+    "int": "int{b}",
+    "+ pre-RoPE": "int{b}:prerope",
+    "nuq": "nuq{b}",
+    "nuq + 1% outliers": "nuq{b}:o1",
+    "nuq + 1% + pre-RoPE": "nuq{b}:o1:prerope",
+    "Hadamard + int": "int{b}:hadamard",
+    "NVFP4": "nvfp4",
+}
+
+
+def ablation_precisions(bits: Sequence[int] = ABLATION_BITS) -> dict[int, dict[str, str | None]]:
+    """{bits: {column: precision or None}}: NVFP4 is a 4-bit format only."""
+    return {
+        b: {col: (None if col == "NVFP4" and b != 4 else spec.format(b=b)) for col, spec in ABLATION_COLUMNS.items()}
+        for b in bits
+    }
+
+
+def run_ablation(
+    lm: LoadedModel,
+    tokens: int = 4096,
+    prefix: int = 1024,
+    bits: Sequence[int] = ABLATION_BITS,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict:
+    """`run_ppl` over every cell of the ablation grid in one run (full precision first), and the grid:
+    {"columns", "rows": [{"bits", "cells": {column: result row or None}}], "checks"} besides run_ppl's keys.
+    checks: the issue's claims on this model, each with the figures it compares and whether it holds."""
+    grid = ablation_precisions(bits)
+    names = [p for row in grid.values() for p in row.values() if p is not None]
+    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress)
+    by_name = {r["precision"]: r for r in out["results"]}
+    out["columns"] = list(ABLATION_COLUMNS)
+    out["rows"] = [
+        {
+            "bits": b,
+            "cells": {col: (None if p is None else by_name[parse_precision(p).label]) for col, p in row.items()},
+        }
+        for b, row in grid.items()
+    ]
+    out["checks"] = ablation_checks(by_name)
+    return out
+
+
+def ablation_checks(by_name: dict) -> list[dict]:
+    """The issue's perplexity claims, measured: fewer bits no worse, and 2 bits made usable."""
+    checks = []
+
+    def delta(name):
+        row = by_name.get(name)
+        return None if row is None else row["delta_vs_full"]
+
+    a, b = delta("nuq3:o1"), delta("int4")
+    if a is not None and b is not None:
+        checks.append({"claim": "nuq3:o1 delta <= int4 delta", "values": [a, b], "holds": a <= b})
+    a, b = delta("nuq2:o1"), delta("int2")
+    if a is not None and b is not None:
+        checks.append({"claim": "nuq2:o1 delta <= 20% of int2 delta", "values": [a, b], "holds": a <= 0.2 * b})
+    return checks

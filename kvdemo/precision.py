@@ -12,16 +12,46 @@ A `PrecisionSpec` says how cached keys and values are stored:
   then every full block of ``group_size`` tokens is quantized (KIVI's residual);
 - ``sinks``: the first tokens of the sequence, kept in full precision (StreamingLLM, KVQuant).
 
+Methods that spend the same bits better (KVQuant, QuaRot, today's engines), each an option or a format:
+
+- ``int3``: uniform 3-bit codes, bit-sliced (3 planes of 1-bit codes: no bit wasted);
+- ``nuq4`` / ``nuq3`` / ``nuq2``: non-uniform codes, 2^b levels per layer (K and V apart) fitted offline by
+  Fisher-weighted k-means (kvdemo/codebooks.py) and rescaled at run time: keys per channel to
+  [min, max] of their block (scale + zero), values per token by their absmax (scale only);
+- ``nvfp4``: E2M1 codes, one E4M3 scale per 16 channels of a token, one fp32 scale per block of
+  ``group_size`` tokens and head (the per-tensor scale, per block because a cache grows);
+- ``o<pct>`` (dense-and-sparse): ``pct`` % of the elements stay exact as a sparse fp16 correction
+  (``ceil(pct / 100 * head_dim)`` per token and head, with uint8 channel indices); the codes cover the
+  narrowed range;
+- ``prerope``: keys are quantized before the rotary embedding (undone on append from the model's
+  rotary parameters, redone when the keys are read);
+- ``hadamard``: keys, queries and values are turned by an orthonormal (sign-randomized) Hadamard matrix
+  before quantization; the attention output is turned back.
+
 Strings: a preset name, optionally followed by options, e.g. ``int4``, ``k8v4``,
-``int4:g64:r128:s4``, ``k8v4:ktoken``. See `parse_precision`.
+``int4:g64:r128:s4``, ``k8v4:ktoken``, ``nuq3:o1``, ``int4:prerope``, ``k8v4:hadamard``. See `parse_precision`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-FORMATS = ("full", "int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2")
-CODE_BITS = {"int8": 8, "int4": 4, "int2": 2, "fp8_e4m3": 8, "fp8_e5m2": 8}
+FORMATS = ("full", "int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "nuq4", "nuq3", "nuq2", "nvfp4")
+CODE_BITS = {
+    "int8": 8,
+    "int4": 4,
+    "int3": 3,
+    "int2": 2,
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+    "nuq4": 4,
+    "nuq3": 3,
+    "nuq2": 2,
+    "nvfp4": 4,
+}
+NVFP4_GROUP = 16  # channels per E4M3 scale
+OUTLIER_INDEX_BITS = 8  # a sparse outlier: fp16 correction + uint8 channel index
 KEY_AXES = ("channel", "token")
 GROUP_SIZES = (16, 32, 64, 128, 256)
 META_BITS = 16  # every scale and every zero point is stored in 16 bits (fp16)
@@ -39,6 +69,9 @@ class PrecisionSpec:
     group_size: int = DEFAULT_GROUP
     residual: int = DEFAULT_RESIDUAL
     sinks: int = DEFAULT_SINKS
+    outliers: float = 0.0  # percent of elements kept as sparse fp16 corrections (dense-and-sparse)
+    pre_rope: bool = False  # keys quantized before the rotary embedding
+    hadamard: bool = False  # keys/values (and queries, outputs) turned by a Hadamard matrix
     preset: str = ""  # the preset this spec came from, for labels
 
     def __post_init__(self):
@@ -60,6 +93,23 @@ class PrecisionSpec:
             )
         if self.is_quantized and self.sinks >= self.group_size:
             raise ValueError(f"sinks ({self.sinks}) must be smaller than the group size ({self.group_size})")
+        if not 0 <= self.outliers < 50:
+            raise ValueError(f"outliers ({self.outliers}%) must be in [0, 50)")
+        if not self.is_quantized and (self.outliers or self.pre_rope or self.hadamard):
+            raise ValueError("full precision stores no codes: outliers, prerope and hadamard need a quantized format")
+        for what, fmt in (("key", self.key_format), ("value", self.value_format)):
+            if self.outliers and not fmt.startswith(("int", "nuq")):
+                raise ValueError(
+                    f"o<pct> narrows the range of integer and nuq codes; {what} format {fmt} scales by its "
+                    "absmax and has no range to narrow"
+                )
+        if self.key_format == "nvfp4" and self.key_axis != "token":
+            raise ValueError("nvfp4 scales 16 consecutive channels of one token; it has no per-channel key mode")
+        if self.pre_rope and self.hadamard:
+            raise ValueError(
+                "prerope and hadamard do not combine: RoPE must turn the unrotated keys, so every key would be "
+                "turned back before RoPE; pick one"
+            )
 
     @property
     def is_quantized(self) -> bool:
@@ -75,19 +125,40 @@ class PrecisionSpec:
 
     def value_group(self, head_dim: int) -> int:
         """Channels per value group (values are grouped along head_dim, per token)."""
-        return min(self.group_size, head_dim)
+        return NVFP4_GROUP if self.value_format == "nvfp4" else min(self.group_size, head_dim)
 
     def key_group(self, head_dim: int) -> int:
         """Tokens per key group (channel axis) or channels per key group (token axis)."""
+        if self.key_format == "nvfp4":
+            return NVFP4_GROUP
         return self.group_size if self.key_axis == "channel" else min(self.group_size, head_dim)
 
+    def outlier_cap(self, head_dim: int) -> int:
+        """Sparse outliers stored per token and head, for keys and for values alike (0: none)."""
+        return math.ceil(self.outliers / 100 * head_dim - 1e-9) if self.outliers else 0
+
+    def codebook_levels(self) -> dict:
+        """Codebook entries per layer (fp16 each) of keys and values: 2^bits for nuq formats, else 0."""
+        return {
+            part: (1 << CODE_BITS[fmt]) if fmt.startswith("nuq") else 0
+            for part, fmt in (("key", self.key_format), ("value", self.value_format))
+        }
+
     def bits_per_element(self, head_dim: int, full_bits: int = 16) -> dict:
-        """Bits per cached key / value element in the quantized region: code + metadata / group."""
+        """Bits per cached key / value element in the quantized region: code + metadata / group + sparse
+        outliers (fp16 correction + uint8 index, per token and head) over head_dim. Per-layer codebooks are a
+        fixed cost, not per element (`layout.region_bytes` counts them)."""
         if not self.is_quantized:
             return {"key": float(full_bits), "value": float(full_bits), "mean": float(full_bits)}
-        k = self.key_bits + _meta_bits(self.key_format) / self.key_group(head_dim)
-        v = self.value_bits + _meta_bits(self.value_format) / self.value_group(head_dim)
-        return {"key": k, "value": v, "mean": (k + v) / 2}
+        sparse = self.outlier_cap(head_dim) * (META_BITS + OUTLIER_INDEX_BITS) / head_dim
+        k = self.key_bits + self._meta_per_element(self.key_format, self.key_axis, self.key_group(head_dim), head_dim)
+        v = self.value_bits + self._meta_per_element(self.value_format, "token", self.value_group(head_dim), head_dim)
+        return {"key": k + sparse, "value": v + sparse, "mean": (k + v) / 2 + sparse}
+
+    def _meta_per_element(self, fmt: str, axis: str, group: int, head_dim: int) -> float:
+        if fmt == "nvfp4":  # E4M3 per 16 channels + fp32 per block of group_size tokens and head
+            return 8 / NVFP4_GROUP + 32 / (self.group_size * head_dim)
+        return META_BITS * (1 + has_zero(fmt, axis)) / group
 
     @property
     def label(self) -> str:
@@ -102,9 +173,13 @@ class PrecisionSpec:
             opts.append(f"r{self.residual}")
         if self.sinks != DEFAULT_SINKS:
             opts.append(f"s{self.sinks}")
-        if self.key_axis != "channel":
+        if self.key_axis != "channel" and self.key_format != "nvfp4":
             opts.append("ktoken")
-        return ":".join([base, *opts])
+        return ":".join([base, *self._method_options(), *opts])
+
+    def _method_options(self) -> list[str]:
+        opts = [f"o{self.outliers:g}"] if self.outliers else []
+        return opts + (["prerope"] if self.pre_rope else []) + (["hadamard"] if self.hadamard else [])
 
     def to_dict(self) -> dict:
         return {
@@ -115,16 +190,23 @@ class PrecisionSpec:
             "group_size": self.group_size,
             "residual": self.residual,
             "sinks": self.sinks,
+            "outliers": self.outliers,
+            "pre_rope": self.pre_rope,
+            "hadamard": self.hadamard,
         }
 
 
-def _meta_bits(fmt: str) -> int:
-    return META_BITS if fmt.startswith("fp8") else 2 * META_BITS  # fp8: scale; int: scale + zero
+def has_zero(fmt: str, axis: str) -> bool:
+    """Whether groups of `fmt` along `axis` store a zero point besides their scale: integer codes always
+    (asymmetric); nuq along tokens (keys per channel: [min, max]); fp8, nvfp4 and nuq per token: absmax only."""
+    return fmt.startswith("int") or (fmt.startswith("nuq") and axis == "channel")
 
 
 def _kv_name(key_format: str, value_format: str) -> str:
     if key_format == value_format:
         return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}.get(key_format, key_format)
+    if not (key_format.startswith("int") and value_format.startswith("int")):
+        return f"k:{key_format}/v:{value_format}"
     return f"k{CODE_BITS[key_format]}v{CODE_BITS[value_format]}"
 
 
@@ -139,12 +221,18 @@ PRESETS: dict[str, PrecisionSpec] = {
     "k4v8": PrecisionSpec("int4", "int8", preset="k4v8"),
     "k8v2": PrecisionSpec("int8", "int2", preset="k8v2"),
     "k4v2": PrecisionSpec("int4", "int2", preset="k4v2"),
+    "int3": PrecisionSpec("int3", "int3", preset="int3"),
+    "nuq4": PrecisionSpec("nuq4", "nuq4", preset="nuq4"),
+    "nuq3": PrecisionSpec("nuq3", "nuq3", preset="nuq3"),
+    "nuq2": PrecisionSpec("nuq2", "nuq2", preset="nuq2"),
+    "nvfp4": PrecisionSpec("nvfp4", "nvfp4", key_axis="token", preset="nvfp4"),
 }
 ALIASES = {"fp16": "full", "bf16": "full", "baseline": "full", "fp8-e4m3": "fp8", "k8v8": "int8", "k4v4": "int4"}
 
 
 def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
-    """`int4`, `k8v4`, `int4:g64:r128:s4`, `k8v4:ktoken` -> PrecisionSpec (ValueError with the reason)."""
+    """`int4`, `k8v4`, `int4:g64:r128:s4`, `k8v4:ktoken`, `nuq2:o1:s1`, `int4:prerope`, `k8v4:hadamard`
+    -> PrecisionSpec (ValueError with the reason)."""
     if isinstance(text, PrecisionSpec):
         return text
     parts = [p.strip() for p in str(text).strip().lower().split(":")]
@@ -152,7 +240,7 @@ def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
     if name not in PRESETS:
         raise ValueError(
             f"unknown precision {text!r}; presets: {', '.join(PRESETS)} "
-            "(options: g<group> r<residual> s<sinks> ktoken, e.g. int4:g64:r128:s4)"
+            "(options: g<group> r<residual> s<sinks> ktoken o<pct> prerope hadamard, e.g. int4:g64:r128:s4, nuq3:o1)"
         )
     spec = PRESETS[name]
     options = {}
@@ -161,8 +249,14 @@ def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
             options["key_axis"] = opt[1:]
         elif len(opt) > 1 and opt[0] in "grs" and opt[1:].isdigit():
             options[{"g": "group_size", "r": "residual", "s": "sinks"}[opt[0]]] = int(opt[1:])
+        elif len(opt) > 1 and opt[0] == "o" and opt[1:].replace(".", "", 1).isdigit():
+            options["outliers"] = float(opt[1:])
+        elif opt in ("prerope", "hadamard"):
+            options["pre_rope" if opt == "prerope" else "hadamard"] = True
         else:
-            raise ValueError(f"unknown precision option {opt!r} in {text!r}; options: g<N> r<N> s<N> ktoken")
+            raise ValueError(
+                f"unknown precision option {opt!r} in {text!r}; options: g<N> r<N> s<N> ktoken o<pct> prerope hadamard"
+            )
     if options and not spec.is_quantized:
         raise ValueError(f"{name!r} stores the cache unquantized and takes no options")
     if "group_size" in options and "residual" not in options:
@@ -177,18 +271,27 @@ def spec_from_options(
     key_axis: str = "channel",
     residual: int = DEFAULT_RESIDUAL,
     sinks: int = DEFAULT_SINKS,
+    outliers: float = 0.0,
+    pre_rope: bool = False,
+    hadamard: bool = False,
 ) -> PrecisionSpec:
     """The sidebar's settings -> the spec their precision string gives on the CLI: options at their
     default are left out of the string, so the same rules apply (group 256 alone raises the residual
     to 256, as `int4:g256` does)."""
     opts = [preset]
+    if outliers:
+        opts.append(f"o{outliers:g}")
+    if pre_rope:
+        opts.append("prerope")
+    if hadamard:
+        opts.append("hadamard")
     if group_size != DEFAULT_GROUP:
         opts.append(f"g{group_size}")
     if residual != DEFAULT_RESIDUAL:
         opts.append(f"r{residual}")
     if sinks != DEFAULT_SINKS:
         opts.append(f"s{sinks}")
-    if key_axis != "channel":
+    if key_axis != "channel" and not preset.startswith("nvfp4"):
         opts.append("ktoken")
     return parse_precision(":".join(opts))
 

@@ -47,7 +47,22 @@ def chat_ids(lm: LoadedModel, messages: Sequence[dict], add_generation_prompt: b
 
 
 def new_cache(lm: LoadedModel, spec: PrecisionSpec | str) -> QuantizedKVCache:
-    return QuantizedKVCache(parse_precision(spec), num_layers=lm.num_layers)
+    """An empty cache for `lm` at `spec`, with what its methods need from the model: the rotary embedding
+    (pre-RoPE keys) and the model's nuq codebooks (kvdemo/codebooks.py; NormalFloat when none is fitted).
+    ValueError (a message for the user) when the model cannot take the spec."""
+    spec = parse_precision(spec)
+    rope = codebooks = None
+    if spec.pre_rope:
+        from .quant.rotations import Rope
+
+        rope = Rope.from_model(lm.model)
+    if any(spec.codebook_levels().values()):
+        from . import codebooks as books
+
+        codebooks = books.for_model(lm)
+    if spec.hadamard and lm.head_dim & (lm.head_dim - 1):
+        raise ValueError(f"hadamard needs a power-of-two head_dim; this model's is {lm.head_dim}")
+    return QuantizedKVCache(spec, num_layers=lm.num_layers, rope=rope, codebooks=codebooks)
 
 
 def fork(cache: QuantizedKVCache) -> QuantizedKVCache:

@@ -83,11 +83,11 @@ def _reset_peak() -> None:
 @torch.no_grad()
 def measure_prefill(lm: LoadedModel, tokens: int, spec: PrecisionSpec | str, mode: str = "chunked") -> dict:
     """Prefill `tokens` random token ids at `spec` in this process; its peak memory, split into parts."""
-    from .runner import PREFILL_CHUNK, prefill
+    from .runner import PREFILL_CHUNK, new_cache, prefill
 
     spec = parse_precision(spec)
     ids = torch.randint(1, lm.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
-    cache = QuantizedKVCache(spec, num_layers=lm.num_layers)
+    cache = new_cache(lm, spec)
     gpu = lm.device.type == "cuda"
     if gpu:
         torch.cuda.synchronize(lm.device)
@@ -175,10 +175,12 @@ def fullest_length(
 def sequence_cache(lm: LoadedModel, spec: PrecisionSpec, context: int) -> QuantizedKVCache:
     """A real cache of one sequence at the fullest point on its way to `context` tokens (random states:
     bytes do not depend on values): `context - residual - 1` tokens prefilled, then one at a time."""
+    from .runner import new_cache
+
     bits = 8 * lm.dtype.itemsize
     t = fullest_length(spec, context, lm.num_layers, lm.kv_heads, lm.head_dim, bits)
     start = max(context - spec.residual - 1, 0)
-    cache = QuantizedKVCache(spec, num_layers=lm.num_layers)
+    cache = new_cache(lm, spec)
     g = torch.Generator(device="cpu").manual_seed(context)
     for n in ([start] if start else []) + [1] * (t - start):
         for i in range(lm.num_layers):

@@ -65,7 +65,7 @@ class CacheSize:
 def from_nbytes(nbytes: dict, dtype: torch.dtype) -> CacheSize:
     """From a `QuantizedKVCache.nbytes()` breakdown (or `measure_memory`'s "breakdown")."""
     exact = nbytes["residual"] + nbytes["sinks"]  # the full-precision parts, in the model's dtype
-    coded = nbytes["codes"] + nbytes["scales"]
+    coded = nbytes["codes"] + nbytes["scales"] + nbytes.get("outliers", 0) + nbytes.get("codebooks", 0)
     return CacheSize(coded + exact, coded + exact * SERVE_BITS / dtype_bits(dtype), dtype_name(dtype))
 
 

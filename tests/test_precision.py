@@ -27,7 +27,7 @@ def test_mixed_presets_and_options():
 
 def test_unknown_strings_list_the_presets():
     with pytest.raises(ValueError, match="presets: full, fp8"):
-        parse_precision("int3")
+        parse_precision("int5")
     with pytest.raises(ValueError, match="unknown precision option"):
         parse_precision("int4:x9")
     with pytest.raises(ValueError, match="takes no options"):

@@ -160,7 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="int8,k8v4,int4,int2", help="KV precisions (full always runs first)")
     p.add_argument("--tokens", type=_positive_int, default=4096, help="text length; scored: [tokens/2, tokens)")
     p.add_argument("--prefix", type=_positive_int, default=1024, help="tokens stored exactly before scoring starts")
-    p.add_argument("--out", default="", help="also write ppl.json into this folder")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="the methods grid (int / +pre-RoPE / nuq / +1%% outliers / Hadamard / NVFP4 at 4, 3, 2 bits), the live "
+        "memory and decode speed of the new formats, written as ablation.json (ignores --precision)",
+    )
+    p.add_argument("--out", default="", help="also write ppl.json (ablation.json with --ablation) into this folder")
     p.set_defaults(func=_lazy("ppl", "run_cli"), text=_lazy("ppl", "format_text"))
 
     p = sub.add_parser("headroom", help="KV bytes/token and concurrent sequences per precision on a GPU budget")

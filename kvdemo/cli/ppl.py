@@ -7,29 +7,63 @@ import json
 import sys
 from pathlib import Path
 
-from ..ppl import run_ppl
+from ..ppl import run_ablation, run_ppl
 from ..precision import parse_precision_list
+
+# the memory and decode-speed rows of the ablation report (issue 17's acceptance)
+ABLATION_MEMORY = ("int4", "nuq4:o1", "nuq3:o1", "nuq2:o1", "int3", "nvfp4")
+ABLATION_SPEED = ("int4", "nuq4:o1", "nuq4", "int4:hadamard", "nvfp4")
 
 
 def run_cli(args) -> dict:
     from ..models import load_model
 
-    specs = parse_precision_list(args.precision)
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    out = run_ppl(lm, specs, args.tokens, args.prefix, on_progress=lambda m: print(m, file=sys.stderr, flush=True))
-    out["command"] = (
-        f"python -m kvdemo ppl --model {args.model} --precision {args.precision} --tokens {args.tokens} "
-        f"--prefix {args.prefix}"
-    )
+    if args.ablation:
+        out = run_ablation(lm, args.tokens, args.prefix, on_progress=progress)
+        out["memory"] = ablation_memory(lm, args.tokens)
+        out["decode"] = ablation_speed(lm, args.tokens, progress)
+        options, name = f"--ablation --tokens {args.tokens} --prefix {args.prefix}", "ablation.json"
+    else:
+        out = run_ppl(lm, parse_precision_list(args.precision), args.tokens, args.prefix, on_progress=progress)
+        options = f"--precision {args.precision} --tokens {args.tokens} --prefix {args.prefix}"
+        name = "ppl.json"
+    out["command"] = f"python -m kvdemo ppl --model {args.model} {options}"
     out["date"] = datetime.date.today().isoformat()
     if args.out:
         folder = Path(args.out)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "ppl.json").write_text(json.dumps(out, indent=2) + "\n")
+        (folder / name).write_text(json.dumps(out, indent=2) + "\n")
     return out
 
 
+def ablation_memory(lm, tokens: int) -> dict:
+    """The live cache holding `tokens` tokens of held-out text at each ABLATION_MEMORY precision, beside the
+    layout formula (`memory.compare_measured`: bytes to the byte) and a 16-bit cache."""
+    from ..memory import compare_measured
+    from ..texts import held_out_ids
+
+    return compare_measured(lm, held_out_ids(lm, tokens), ABLATION_MEMORY)
+
+
+def ablation_speed(lm, tokens: int, progress) -> dict:
+    """Greedy decode tokens/s after a `tokens`-token prompt, ABLATION_SPEED side by side (`bench.decode_speed`)."""
+    from ..bench import decode_speed
+
+    return decode_speed(lm, ABLATION_SPEED, context=tokens, on_progress=progress)
+
+
 def format_text(out: dict) -> str:
+    text = _ppl_text(out)
+    if "rows" in out:
+        text += "\n\n" + ablation_markdown(out)
+    return text
+
+
+def _ppl_text(out: dict) -> str:
     lo, hi = out["scored_positions"]
     lines = [
         f"model: {out['model']}  perplexity of held-out tokens [{lo}, {hi}) (first {out['prefix']} stored exactly, "
@@ -56,4 +90,22 @@ def markdown_table(out: dict) -> str:
             f"| {r['precision']} | {r['ppl']:.3f} | {r['delta_vs_full']:+.3f} | {r['logit_kl']:.2e} | "
             f"{r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f}x |"
         )
+    return "\n".join(lines)
+
+
+def ablation_markdown(out: dict) -> str:
+    """README's ablation table: perplexity delta vs full precision at `tokens`, bits/element and ratio vs 16-bit
+    under each (as stored after scoring: the residual window's full-precision tokens included)."""
+    cols = out["columns"]
+    lines = ["| bits | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for row in out["rows"]:
+        cells = []
+        for col in cols:
+            r = row["cells"][col]
+            cells.append(
+                "-"
+                if r is None
+                else f"{r['delta_vs_full']:+.3f}<br>{r['bits_per_element']:.2f} b, {r['ratio_vs_fp16']:.2f}x"
+            )
+        lines.append(f"| {row['bits']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -59,12 +59,15 @@ def backend_for(device: torch.device | str) -> str:
     return "triton" if device.type == "cuda" and triton_available() else "torch"
 
 
-def quantize(x: torch.Tensor, fmt: str, axis: str, group: int) -> QuantizedTensor:
+def quantize(x: torch.Tensor, fmt: str, axis: str, group: int, **methods) -> QuantizedTensor:
     """x [B, H, T, D] -> QuantizedTensor (see reference.quantize): the Triton kernel where it runs and
-    handles the format and head_dim, the PyTorch reference otherwise. Both give the same bytes."""
-    if backend_for(x.device) == "triton":
+    handles the format and head_dim, the PyTorch reference otherwise. Both give the same bytes.
+    `methods` (reference.quantize's keywords: nuq levels, outliers, rotation, rope, ...) have no Triton
+    twin yet: a call that sets any of them runs the reference."""
+    plain = not methods.get("outliers") and all(methods.get(k) is None for k in ("levels", "rotation", "rope"))
+    if plain and backend_for(x.device) == "triton":
         from . import triton_kernels
 
         if triton_kernels.supports_quantize(fmt, x.shape[-1]):
             return triton_kernels.quantize(x, fmt, axis, group)
-    return reference.quantize(x, fmt, axis, group)
+    return reference.quantize(x, fmt, axis, group, **methods)

@@ -8,16 +8,35 @@ Layouts (B batch, H kv heads, T tokens, D head_dim, P = 8 // bits codes per byte
   fp8 codes are the raw float8 bytes (P = 1).
 - groups along tokens (``axis="channel"``, keys): ``scale``/``zero`` fp16 ``[B, H, T // G, D]``;
 - groups along channels (``axis="token"``, values, or keys per token): fp16 ``[B, H, T, D // G]``.
+- 3-bit codes (int3, nuq3) are *bit-sliced*: three planes of 1-bit codes (8 per byte, planar as above),
+  ``[B, H, T, 3 * D // 8]`` with plane j holding bit j: no bit wasted.
 
 Integer formats are asymmetric, ``x ~ scale * code + zero`` with ``zero = min`` and
 ``scale = (max - min) / (2^bits - 1)``; fp8 is ``x ~ scale * fp8(x / scale)`` with
 ``scale = absmax / fp8_max``. Scales are clamped away from zero (no division by zero on constant
 groups) and metadata is clamped to the fp16 range (finite inputs never give NaN).
-References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079).
+
+Methods beyond uniform codes (kvdemo/precision.py says what each costs):
+- nuq: ``x ~ scale * levels[code] + zero`` with a per-layer codebook ``levels`` in [-1, 1]; along tokens
+  (keys per channel) ``zero = (max + min) / 2``, ``scale = (max - min) / 2``; along channels (values)
+  ``scale = absmax``, no zero. The nearest level is taken (KVQuant's "nuq").
+- nvfp4: ``x ~ e2m1(code) * e4m3(scale) * tensor_scale``: E2M1 codes (sign bit 3, magnitude index
+  0..7 of 0, .5, 1, 1.5, 2, 3, 4, 6), one E4M3 scale byte per 16 channels, one fp32 ``tensor_scale``
+  per ``block`` tokens and head (amax / (448 * 6)).
+- outliers (dense-and-sparse): each token picks ``cap`` channels (`outlier_picks`: keys by distance from
+  their channel's mean over the block in standard deviations, values by magnitude), the codes cover the
+  range of the rest, and the token stores ``cap`` fp16 corrections ``outlier_delta`` (exact value minus
+  dequantized code) at channels ``outlier_index`` (uint8).
+- rotation R (Hadamard): the stored tensor is ``x @ R``; dequantize turns back with ``R.T``.
+- rope (pre-RoPE keys): the stored tensor is the keys before RoPE; dequantize applies RoPE at positions
+  ``start + row``.
+Order on quantize: undo RoPE, rotate, narrow + code, corrections; dequantize runs it backwards.
+References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), QuaRot (arXiv 2404.00456), NVFP4 (NVIDIA).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,26 +45,67 @@ FP16_MAX = 65504.0
 MIN_SCALE = 1e-6  # fp16-representable, keeps (x - zero) / scale finite for constant groups
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
-INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+INT_BITS = {"int8": 8, "int4": 4, "int2": 2}  # uniform integer codes the Triton kernels read
+CODE_BITS = {**INT_BITS, "int3": 3, "nuq4": 4, "nuq3": 3, "nuq2": 2, "nvfp4": 4}  # every indexed format
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # NVFP4 magnitudes
+E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
 
 @dataclass
 class QuantizedTensor:
-    """Packed codes plus their 16-bit metadata; `zero` is None for fp8."""
+    """Packed codes plus their metadata; `zero` is None for fp8, nvfp4 and absmax-scaled nuq.
 
-    codes: torch.Tensor  # uint8 [B, H, T, D // P]
-    scale: torch.Tensor  # fp16, [B, H, T // G, D] (axis="channel") or [B, H, T, D // G] (axis="token")
+    The optional fields belong to the methods beyond uniform codes (module docstring); a tensor without
+    them is `plain` (what the Triton kernels read)."""
+
+    codes: torch.Tensor  # uint8 [B, H, T, D * bits // 8]
+    scale: (
+        torch.Tensor
+    )  # fp16, [B, H, T // G, D] (axis="channel") or [B, H, T, D // G] (axis="token"); nvfp4: uint8 E4M3
     zero: torch.Tensor | None
     fmt: str
     axis: str
     group: int
     head_dim: int
+    levels: torch.Tensor | None = None  # nuq: fp16 [2^bits] codebook in [-1, 1], ascending
+    tensor_scale: torch.Tensor | None = None  # nvfp4: fp32 [B, H, ceil((start + T) / block) - start // block]
+    block: int = 0  # nvfp4: tokens per tensor_scale
+    outlier_delta: torch.Tensor | None = None  # fp16 [B, H, T, cap] sparse corrections
+    outlier_index: torch.Tensor | None = None  # uint8 [B, H, T, cap] their channels
+    rotation: torch.Tensor | None = None  # fp32 [D, D]: stored = x @ rotation
+    rope: object = None  # rotations.Rope: stored keys are before RoPE
+    start: int = 0  # absolute position of row 0 (RoPE, nvfp4 blocks)
+
+    @property
+    def plain(self) -> bool:
+        """Uniform int / fp8 codes with nothing else: the fast paths and the Triton kernels read these."""
+        return self._no_extras() and (self.fmt in INT_BITS or self.fmt in FP8_DTYPES)
+
+    def _no_extras(self) -> bool:
+        return self.levels is None and self.outlier_delta is None and self.rotation is None and self.rope is None
 
     def nbytes(self) -> dict:
-        meta = self.scale.numel() * self.scale.element_size()
-        if self.zero is not None:
-            meta += self.zero.numel() * self.zero.element_size()
-        return {"codes": self.codes.numel() * self.codes.element_size(), "scales": meta}
+        def size(t):
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "codes": size(self.codes),
+            "scales": size(self.scale) + size(self.zero) + size(self.tensor_scale),
+            "outliers": size(self.outlier_delta) + size(self.outlier_index),
+        }
+
+
+def code_bits(fmt: str) -> int:
+    return CODE_BITS.get(fmt, 8)
+
+
+def packed_width(fmt: str, head_dim: int) -> int:
+    """Bytes of one stored row of `head_dim` codes (ValueError when head_dim cannot be packed)."""
+    bits = code_bits(fmt)
+    unit = 8 if bits == 3 else 8 // bits  # 3-bit: 1-bit planes of 8 channels per byte
+    if head_dim % unit:
+        raise ValueError(f"head_dim {head_dim} cannot be packed {bits} bits per code (needs a multiple of {unit})")
+    return head_dim * bits // 8
 
 
 def codes_per_byte(fmt: str) -> int:
@@ -53,7 +113,9 @@ def codes_per_byte(fmt: str) -> int:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [..., D] (each < 2^bits) -> planar packed uint8 [..., D * bits // 8]."""
+    """uint8 codes [..., D] (each < 2^bits) -> planar packed uint8 [..., D * bits // 8] (3 bits: bit-sliced)."""
+    if bits == 3:
+        return torch.cat([pack((codes >> j) & 1, 1) for j in range(3)], dim=-1)
     per_byte = 8 // bits
     if per_byte == 1:
         return codes.to(torch.uint8)
@@ -78,6 +140,9 @@ def unpack_planes(packed: torch.Tensor, bits: int) -> list[torch.Tensor]:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack`: uint8 [..., D * bits // 8] -> uint8 codes [..., D]."""
+    if bits == 3:
+        sliced = packed.unflatten(-1, (3, packed.shape[-1] // 3))
+        return sum(unpack(sliced[..., j, :], 1) << j for j in range(3))
     return torch.cat(unpack_planes(packed, bits), dim=-1)
 
 
@@ -93,51 +158,231 @@ def _grouped(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
     return x.view(b, h, t, d // group, group)  # reduce over dim -1
 
 
-def quantize(x: torch.Tensor, fmt: str, axis: str, group: int) -> QuantizedTensor:
-    """x [B, H, T, D] float -> QuantizedTensor. axis="channel": groups of `group` tokens per channel."""
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    axis: str,
+    group: int,
+    *,
+    levels: torch.Tensor | None = None,
+    outliers: float = 0.0,
+    rotation: torch.Tensor | None = None,
+    rope=None,
+    start: int = 0,
+    block: int = 0,
+) -> QuantizedTensor:
+    """x [B, H, T, D] float -> QuantizedTensor. axis="channel": groups of `group` tokens per channel.
+
+    Keywords (the methods; module docstring): levels: nuq codebook (required for nuq formats); outliers:
+    percent kept as sparse corrections; rotation [D, D]; rope: keys are turned back before RoPE from positions
+    start + row; block: nvfp4 tokens per tensor scale (default: all T rows)."""
     if x.dim() != 4:
         raise ValueError(f"expected [B, H, T, D], got shape {tuple(x.shape)}")
     d = x.shape[-1]
     xf = torch.nan_to_num(x.float(), nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX).clamp(-FP16_MAX, FP16_MAX)
+    if rope is not None:
+        xf = rope.undo(xf, start)
+    if rotation is not None:
+        xf = xf @ rotation.to(xf.device)
+    extras = {"rotation": rotation, "rope": rope, "start": start}
+    if fmt == "nvfp4":
+        return _quantize_nvfp4(xf, block or x.shape[-2], extras)
     g = _grouped(xf, axis, group)
     red = -2 if axis == "channel" else -1
+    cap = math.ceil(outliers / 100 * d - 1e-9) if outliers else 0
+    picks = outlier_picks(xf, axis, group, cap) if cap else None  # [B, H, T, cap] channels kept exact
     if fmt in FP8_DTYPES:
         amax = g.abs().amax(dim=red, keepdim=True)
         scale = (amax / FP8_MAX[fmt]).clamp(min=MIN_SCALE).half().float()
         codes = (g / scale).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPES[fmt]).view(torch.uint8)
         zero = None
-    elif fmt in INT_BITS:
-        levels = (1 << INT_BITS[fmt]) - 1
-        lo = g.amin(dim=red, keepdim=True).half().float()
-        hi = g.amax(dim=red, keepdim=True)
-        scale = ((hi - lo) / levels).clamp(min=MIN_SCALE, max=FP16_MAX).half().float()
-        codes = ((g - lo) / scale).round_().clamp_(0, levels).to(torch.uint8)
-        zero = lo.squeeze(red).half()
+    elif fmt in CODE_BITS:
+        lo, hi = _ranges(g, red, None if picks is None else _grouped(_mask(xf, picks), axis, group))
+        if fmt.startswith("nuq"):
+            if levels is None or levels.numel() != 1 << CODE_BITS[fmt]:
+                raise ValueError(f"{fmt} needs a codebook of {1 << CODE_BITS[fmt]} levels")
+            scale, zero = _nuq_scale(lo, hi, axis)
+            lv = levels.to(xf.device).float()
+            norm = (g - (0.0 if zero is None else zero)) / scale
+            codes = torch.bucketize(norm.clamp_(-1, 1), (lv[1:] + lv[:-1]) / 2).to(torch.uint8)
+        else:
+            top = (1 << CODE_BITS[fmt]) - 1
+            zero = lo.half().float()
+            scale = ((hi - zero) / top).clamp(min=MIN_SCALE, max=FP16_MAX).half().float()
+            codes = ((g - zero) / scale).round_().clamp_(0, top).to(torch.uint8)
+        zero = None if zero is None else zero.squeeze(red).half()
     else:
         raise ValueError(f"cannot quantize to {fmt!r}")
     codes = codes.view(x.shape)
-    packed = pack(codes, INT_BITS.get(fmt, 8))
-    return QuantizedTensor(packed, scale.squeeze(red).half(), zero, fmt, axis, group, d)
+    q = QuantizedTensor(
+        pack(codes, code_bits(fmt)),
+        scale.squeeze(red).half(),
+        zero,
+        fmt,
+        axis,
+        group,
+        d,
+        levels=None if levels is None else levels.half().to(x.device),
+        **extras,
+    )
+    if picks is not None:  # exact fp16 corrections at the picked channels (rotated / pre-RoPE space)
+        q.outlier_index = picks.to(torch.uint8)
+        q.outlier_delta = (xf - _dense(q)).gather(-1, picks).half()
+    return q
+
+
+def outlier_picks(x: torch.Tensor, axis: str, group: int, cap: int) -> torch.Tensor:
+    """The `cap` channels of each token kept exact, long [B, H, T, cap]: per channel (axis="channel", keys) the
+    elements farthest from their channel's mean over the block, in the channel's standard deviations (a
+    per-channel threshold, capped per token); per token (values) the largest magnitudes. The codes' ranges
+    are then taken over the rest, so no element is clipped without its correction."""
+    if axis == "channel":
+        g = _grouped(x, "channel", group)  # [B, H, NB, G, D]
+        mean, std = g.mean(-2, keepdim=True), g.std(-2, keepdim=True) if group > 1 else torch.ones_like(g[..., :1, :])
+        score = ((g - mean).abs() / (std + 1e-12)).view(x.shape)
+    else:
+        score = x.abs()
+    return score.topk(cap, dim=-1).indices
+
+
+def _mask(x: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter_(-1, picks, True)
+
+
+def _ranges(g: torch.Tensor, red: int, picked: torch.Tensor | None = None):
+    """[lo, hi] of each group over its elements that are not `picked` (bool, g's shape; None: all of them)."""
+    if picked is None:
+        return g.amin(dim=red, keepdim=True), g.amax(dim=red, keepdim=True)
+    lo = torch.where(picked, torch.inf, g).amin(dim=red, keepdim=True)
+    hi = torch.where(picked, -torch.inf, g).amax(dim=red, keepdim=True)
+    empty = torch.isinf(lo)  # every element picked (tiny groups): the whole range
+    return torch.where(empty, g.amin(dim=red, keepdim=True), lo), torch.where(empty, g.amax(dim=red, keepdim=True), hi)
+
+
+def _nuq_scale(lo: torch.Tensor, hi: torch.Tensor, axis: str):
+    """nuq's (scale, zero) in fp16-rounded fp32: [min, max] -> [-1, 1] along tokens, absmax along channels."""
+    if axis == "channel":
+        zero = ((hi + lo) / 2).clamp(-FP16_MAX, FP16_MAX).half().float()
+        half = torch.maximum(hi - zero, zero - lo)  # covers both ends after zero's rounding
+        return half.clamp(min=MIN_SCALE, max=FP16_MAX).half().float(), zero
+    absmax = torch.maximum(hi.abs(), lo.abs())
+    return absmax.clamp(min=MIN_SCALE, max=FP16_MAX).half().float(), None
+
+
+def _quantize_nvfp4(xf: torch.Tensor, block: int, extras: dict) -> QuantizedTensor:
+    """NVFP4: per block of `block` rows and head an fp32 tensor scale, per 16 channels an E4M3 scale, E2M1 codes."""
+    b, h, t, d = xf.shape
+    start = extras["start"]
+    if d % 16:
+        raise ValueError(f"nvfp4 needs head_dim a multiple of 16, not {d}")
+    rows_block = (start + torch.arange(t, device=xf.device)) // block - start // block  # [T] block of each row
+    n_blocks = int(rows_block[-1]) + 1 if t else 0
+    amax = torch.zeros(b, h, n_blocks, device=xf.device).scatter_reduce_(
+        2, rows_block.view(1, 1, t).expand(b, h, t), xf.abs().amax(-1), "amax"
+    )
+    tensor_scale = (amax / (E4M3_MAX * E2M1_MAX)).clamp(min=1e-12)  # fp32 [B, H, NB]
+    ts = tensor_scale[:, :, rows_block].unsqueeze(-1).unsqueeze(-1)  # [B, H, T, 1, 1]
+    g = xf.view(b, h, t, d // 16, 16)
+    s = (g.abs().amax(-1, keepdim=True) / E2M1_MAX / ts).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    s_dec = (s.float() * ts).clamp(min=1e-30)
+    mags = torch.tensor(E2M1, device=xf.device)
+    y = g / s_dec
+    idx = torch.bucketize(y.abs().clamp(max=E2M1_MAX), (mags[1:] + mags[:-1]) / 2)
+    codes = (idx | ((y < 0) & (idx > 0)).to(idx.dtype) << 3).to(torch.uint8).view(b, h, t, d)
+    return QuantizedTensor(
+        pack(codes, 4),
+        s.view(torch.uint8).view(b, h, t, d // 16),
+        None,
+        "nvfp4",
+        "token",
+        16,
+        d,
+        tensor_scale=tensor_scale,
+        block=block,
+        **extras,
+    )
 
 
 def decode_codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     """Packed uint8 [..., D/P] -> code values as float32 [..., D] (integer levels or fp8 values)."""
     if fmt in FP8_DTYPES:
         return packed.view(FP8_DTYPES[fmt]).float()
-    return unpack(packed, INT_BITS[fmt]).float()
+    return unpack(packed, code_bits(fmt)).float()
+
+
+def code_values(q: QuantizedTensor) -> torch.Tensor:
+    """The codes' values before scaling, fp32 [B, H, T, D]: integer levels, fp8 values, codebook levels (nuq)
+    or signed E2M1 magnitudes (nvfp4)."""
+    vals, order = looked_up(q)
+    return vals if order is None else vals.index_select(-1, _inverse(order))
+
+
+def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`code_values` in the order the lookup leaves them: (values fp32 [B, H, T, D], order [D] or None) with
+    values[..., j] the value of channel order[j] (None: channel order). Codebook formats at 2 and 4 bits are
+    looked up a byte at a time (`index_select` of a [256, P] table, the fastest gather on CPU), which leaves
+    a byte's P channels side by side; callers that can permute the query (or the output) instead skip the copy."""
+    if q.fmt == "nvfp4" or q.levels is not None:
+        table = _E2M1_SIGNED.to(q.codes.device) if q.fmt == "nvfp4" else q.levels.float()
+        bits = code_bits(q.fmt)
+        if bits in (2, 4):
+            per_byte = 8 // bits
+            byte = torch.arange(256, device=table.device)
+            pairs = torch.stack([table[(byte >> (bits * p)) & ((1 << bits) - 1)] for p in range(per_byte)], -1)
+            *lead, width = q.codes.shape
+            vals = pairs.index_select(0, q.codes.reshape(-1).long()).view(*lead, width * per_byte)
+            return vals, _byte_order(width, per_byte, q.codes.device)
+        codes = unpack(q.codes, bits)
+        return table.index_select(0, codes.view(-1).long()).view(codes.shape), None
+    return codes_to_float(q.codes, q.fmt), None
+
+
+def _byte_order(width: int, per_byte: int, device) -> torch.Tensor:
+    """Channel of each position of a byte-wise lookup: position c * P + p holds channel p * width + c."""
+    j = torch.arange(width * per_byte, device=device)
+    return (j % per_byte) * width + j // per_byte
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+
+
+_E2M1_SIGNED = torch.tensor(E2M1 + tuple(-m for m in E2M1))  # code -> value: bit 3 is the sign
+
+
+def group_scale(q: QuantizedTensor) -> torch.Tensor:
+    """Each group's scale as fp32, shaped like `q.scale` (nvfp4: E4M3 scale x the row's tensor scale)."""
+    if q.fmt != "nvfp4":
+        return q.scale.float()
+    t = q.codes.shape[-2]
+    rows_block = (q.start + torch.arange(t, device=q.codes.device)) // q.block - q.start // q.block
+    return q.scale.view(torch.float8_e4m3fn).float() * q.tensor_scale[:, :, rows_block].unsqueeze(-1)
+
+
+def _dense(q: QuantizedTensor) -> torch.Tensor:
+    """The codes and their scales alone, fp32 [B, H, T, D] in the stored space (rotated / pre-RoPE, no
+    sparse corrections)."""
+    codes = code_values(q)  # [B, H, T, D]
+    g = _grouped(codes, q.axis, q.group)
+    red = -2 if q.axis == "channel" else -1
+    x = g * group_scale(q).unsqueeze(red)
+    if q.zero is not None:
+        x = x + q.zero.float().unsqueeze(red)
+    return x.view(codes.shape)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """QuantizedTensor -> [B, H, T, D] in `dtype`."""
-    codes = decode_codes(q.codes, q.fmt)  # [B, H, T, D]
-    g = _grouped(codes, q.axis, q.group)
-    red = -2 if q.axis == "channel" else -1
-    x = g * q.scale.float().unsqueeze(red)
-    if q.zero is not None:
-        x = x + q.zero.float().unsqueeze(red)
+    """QuantizedTensor -> [B, H, T, D] in `dtype`: codes, sparse corrections, rotation back, RoPE."""
+    x = _dense(q)
+    if q.outlier_delta is not None:
+        x.scatter_add_(-1, q.outlier_index.long(), q.outlier_delta.float())
+    if q.rotation is not None:
+        x = x @ q.rotation.to(x.device).T
+    if q.rope is not None:
+        x = q.rope.apply(x, q.start)
     # inputs were clamped to the fp16 range; metadata rounding can overshoot it by a step, which
     # would round to inf in an fp16 cache: clamp back
-    return x.view(codes.shape).clamp_(-FP16_MAX, FP16_MAX).to(dtype)
+    return x.clamp_(-FP16_MAX, FP16_MAX).to(dtype)
 
 
 def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> torch.Tensor:
@@ -185,7 +430,9 @@ def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
         wide = codes.to(torch.int16)
         bits = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7)
         return bits.view(torch.float16).float().mul_(256.0)
-    bits = INT_BITS[fmt]
+    bits = code_bits(fmt)
+    if bits == 3:
+        return unpack(codes, 3).float()
     per_byte = 8 // bits
     if per_byte == 1:
         return codes.float()
@@ -208,7 +455,15 @@ def _rows(q: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
     else:
         meta = slice(start, stop)
     zero = None if q.zero is None else q.zero[:, :, meta]
-    return replace(q, codes=q.codes[:, :, start:stop], scale=q.scale[:, :, meta], zero=zero)
+    out = replace(q, codes=q.codes[:, :, start:stop], scale=q.scale[:, :, meta], zero=zero, start=q.start + start)
+    if q.outlier_delta is not None:
+        out.outlier_delta, out.outlier_index = q.outlier_delta[:, :, start:stop], q.outlier_index[:, :, start:stop]
+    if q.tensor_scale is not None:
+        first = q.start // q.block
+        out.tensor_scale = q.tensor_scale[
+            :, :, (q.start + start) // q.block - first : (q.start + stop - 1) // q.block - first + 1
+        ]
+    return out
 
 
 def _channel_key_scores(qg: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
@@ -220,26 +475,69 @@ def _channel_key_scores(qg: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor
     b, h, m, d = qg.shape
     scale = keys.scale.float()  # [B, H, NB, D]
     nb, g = scale.shape[-2], keys.group
-    codes = codes_to_float(keys.codes, keys.fmt).view(b, h, nb, g, d)  # [B, H, NB, G, D]
-    codes.mul_(scale.unsqueeze(3))
-    scores = (qg @ codes.view(b, h, nb * g, d).transpose(-1, -2)).view(b, h, m, nb, g)  # [B, H, M, NB, G]
+    vals, order = looked_up(keys)
+    codes = vals.view(b, h, nb, g, d)  # [B, H, NB, G, D]
+    q_ordered = qg if order is None else qg.index_select(-1, order)  # q . k is the same in any channel order
+    codes.mul_((scale if order is None else scale.index_select(-1, order)).unsqueeze(3))
+    scores = (q_ordered @ codes.view(b, h, nb * g, d).transpose(-1, -2)).view(b, h, m, nb, g)  # [B, H, M, NB, G]
     if keys.zero is not None:
         scores = scores + (qg @ keys.zero.float().transpose(-1, -2)).unsqueeze(-1)  # + [B, H, M, NB, 1]
     return scores.view(b, h, m, nb * g)
 
 
+def _key_scores(qg: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
+    """Scores qg [B, H, M, D] . k_t for every stored row of `keys` (channel axis: whole groups) -> [B, H, M, T].
+
+    From the codes, never a dequantized copy in the original space: a Hadamard turns the query instead
+    of the keys ((q R) . (k R) = q . k), sparse outliers add q[idx] * delta. Pre-RoPE keys are turned per
+    position, so they are dequantized (and RoPE applied) first."""
+    if keys.rope is not None:
+        return qg @ dequantize(keys).transpose(-1, -2)
+    qk = qg if keys.rotation is None else qg @ keys.rotation
+    if keys.axis == "channel":
+        scores = _channel_key_scores(qk, keys)
+    else:
+        scores = qk @ _dense(keys).transpose(-1, -2)
+    if keys.outlier_delta is not None:  # sum_j q[idx_tj] delta_tj
+        b, h, m, _ = qk.shape
+        t, cap = keys.outlier_index.shape[-2:]
+        idx = keys.outlier_index.long().view(b, h, 1, t * cap).expand(b, h, m, t * cap)
+        picked = qk.gather(-1, idx) * keys.outlier_delta.float().view(b, h, 1, t * cap)
+        scores = scores + picked.view(b, h, m, t, cap).sum(-1)
+    return scores
+
+
 def _token_value_output(p: torch.Tensor, values: QuantizedTensor) -> torch.Tensor:
+    """sum_t p[m, t] v_t for stored values (any format and method): the codes' output in the stored space,
+    sparse outliers scattered in, a Hadamard undone on the output [M, D] rather than on every value."""
+    out = _plain_value_output(p, values)
+    if values.outlier_delta is not None:
+        b, h, m, t = p.shape
+        cap = values.outlier_index.shape[-1]
+        src = (p.unsqueeze(-1) * values.outlier_delta.float().unsqueeze(2)).view(b, h, m, t * cap)
+        idx = values.outlier_index.long().view(b, h, 1, t * cap).expand(b, h, m, t * cap)
+        out = out.scatter_add(-1, idx, src)
+    if values.rotation is not None:
+        out = out @ values.rotation.T
+    return out
+
+
+def _plain_value_output(p: torch.Tensor, values: QuantizedTensor) -> torch.Tensor:
     """sum_t p[m, t] v_t for per-token-quantized values, from the codes.
 
     p [B, H, M, T]; values: codes [B, H, T, D/P], scale/zero [B, H, T, D/G]; v_tc = s_tj code_tc + z_tj (j = c // G).
     One group per token (G = D): out = (p * s) @ code + (p @ z); else the scales go into the codes.
     """
     b, h, m, t = p.shape
-    codes = codes_to_float(values.codes, values.fmt)  # [B, H, T, D]
-    d, group, scale, zero = codes.shape[-1], values.group, values.scale, values.zero
+    codes, order = looked_up(values)  # [B, H, T, D]
+    d, group, scale, zero = codes.shape[-1], values.group, group_scale(values), values.zero
     if group == d:
         out = (p * scale.float()[..., 0].unsqueeze(2)) @ codes  # [B, H, M, D]
+        if order is not None:  # back to channel order: [M, D], not the [T, D] values
+            out = out.index_select(-1, _inverse(order))
     else:
+        if order is not None:
+            codes = codes.index_select(-1, _inverse(order))
         codes.view(b, h, t, d // group, group).mul_(scale.float().unsqueeze(-1))
         out = p @ codes
     if zero is not None and group == d:  # sum_t p_t z_t: a reduction (a [M, T] @ [T, 1] matmul is ~7x slower on CPU)
@@ -256,9 +554,9 @@ def _coded_key_logits(qg: torch.Tensor, keys: QuantizedTensor, start: int, stop:
         e = min(a + CPU_BLOCK, keys.codes.shape[-2])
         lo, hi = max(a, start), min(e, stop)
         if keys.axis == "channel":
-            scores = _channel_key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
+            scores = _key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
         else:
-            scores = qg @ dequantize(_rows(keys, lo, hi)).transpose(-1, -2)
+            scores = _key_scores(qg, _rows(keys, lo, hi))
         out[..., lo - start : hi - start] = scores
 
 
@@ -378,9 +676,9 @@ def _segment_keys_values(kv, kind: str, lo: int, hi: int, qg: torch.Tensor):
     keys = kv.keys.quantized
     if keys.axis == "channel":  # whole groups of tokens, sliced to [lo, hi)
         a, e = (lo // keys.group) * keys.group, -(-hi // keys.group) * keys.group
-        scores = _channel_key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
+        scores = _key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
     else:
-        scores = qg @ dequantize(_rows(keys, lo, hi)).transpose(-1, -2)
+        scores = _key_scores(qg, _rows(keys, lo, hi))
     values = _rows(kv.values.quantized, lo, hi)
     return scores, lambda p: _token_value_output(p, values)
 

@@ -137,7 +137,9 @@ def supports_attention(query: torch.Tensor, kv) -> bool:
     b, hq, n, d = query.shape
     hkv, spec = kv.kv_heads, kv.spec
     fmts_ok = not kv.regions.has_codes or (
-        supports_quantize(spec.key_format, d) and supports_quantize(spec.value_format, d)
+        supports_quantize(spec.key_format, d)
+        and supports_quantize(spec.value_format, d)
+        and not (spec.outliers or spec.pre_rope or spec.hadamard)  # issue 17's methods: reference only, for now
     )
     if not (fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0):
         return False
