@@ -489,7 +489,6 @@ def long_row(job: dict, lm) -> dict:
     to `attention.long_past_attention` counted and timed (synchronized on CUDA) and what they ran (Triton
     query tiles or the streamed reference), and the formula's cache bytes beside the measured ones."""
     from kvdemo import attention, runner
-    from kvdemo.cache import QuantizedKVCache
     from kvdemo.layout import Layout, bytes_per_token, region_bytes
     from kvdemo.precision import parse_precision
     from kvdemo.quant import reference
