@@ -34,6 +34,7 @@ MODEL_KINDS = {"embedded": "Embedded (SmolLM2-135M)", "hf": "Hugging Face id", "
 DEVICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEFAULT_PRESET = "int4"
+MAX_OUTLIERS = 5.0  # percent of the elements the sidebar lets stay exact
 DEFAULT_MODEL_KEY = ("embedded", "auto", "auto")  # (source, device, dtype)
 CHAT_RESERVE = 1024  # tokens of the context kept free for the conversation when a document is fitted
 SAMPLE_TOKENS = 1024  # default length of the bundled sample document
@@ -93,7 +94,8 @@ def _model_section() -> None:
 
 
 # --- the KV precision -----------------------------------------------------------------------------
-def _precision_section() -> None:
+def _precision_section() -> PrecisionSpec | None:
+    """The precision widgets -> the spec they describe, or None (the reason shown) when they describe none."""
     st.subheader("KV precision")
     presets = quantized_presets()
     st.selectbox(
@@ -101,7 +103,8 @@ def _precision_section() -> None:
         presets,
         index=presets.index(DEFAULT_PRESET),
         key="kv_preset",
-        help="k8v4 = 8-bit keys, 4-bit values. fp8 = e4m3 with a scale per group.",
+        help="k8v4 = 8-bit keys, 4-bit values. fp8 = e4m3 with a scale per group. nuq = non-uniform levels "
+        "fitted per layer (KVQuant); nvfp4 = E2M1 codes with an E4M3 scale per 16 channels.",
     )
     with st.expander("Advanced", expanded=False):
         st.selectbox("Group size", GROUP_SIZES, index=GROUP_SIZES.index(DEFAULT_GROUP), key="kv_group")
@@ -112,20 +115,80 @@ def _precision_section() -> None:
             "Residual (full-precision newest tokens)", 0, 8192, DEFAULT_RESIDUAL, step=16, key="kv_residual"
         )
         st.number_input("Sink tokens (full precision)", 0, 255, DEFAULT_SINKS, step=1, key="kv_sinks")
+        st.number_input(
+            "Outliers kept exact (%)", 0.0, MAX_OUTLIERS, 0.0, step=0.5, key="kv_outliers",
+            help="dense-and-sparse (KVQuant): this share of each token's channels stays exact as sparse fp16 "
+            "corrections; the codes cover the narrowed range (integer and nuq formats)",
+        )  # fmt: skip
+        st.checkbox("Pre-RoPE keys", key="kv_prerope", help="keys quantized before the rotary embedding (KVQuant)")
+        st.checkbox(
+            "Hadamard rotation", key="kv_hadamard",
+            help="keys, queries and values turned by a Hadamard matrix before quantization (QuaRot); "
+            "needs a power-of-two head_dim",
+        )  # fmt: skip
     try:
-        spec = spec_from_options(
+        return spec_from_options(
             st.session_state["kv_preset"],
             group_size=int(st.session_state["kv_group"]),
             key_axis=st.session_state["kv_key_axis"],
             residual=int(st.session_state["kv_residual"]),
             sinks=int(st.session_state["kv_sinks"]),
+            outliers=float(st.session_state["kv_outliers"]),
+            pre_rope=bool(st.session_state["kv_prerope"]),
+            hadamard=bool(st.session_state["kv_hadamard"]),
         )
     except ValueError as err:
-        prev = st.session_state.get("spec", PRESETS[DEFAULT_PRESET])
-        st.error(f"{err}. Still using {prev.label}.")
-        st.session_state.setdefault("spec", prev)
+        _keep_previous_spec(err)
+        return None
+
+
+def _keep_previous_spec(err: Exception) -> None:
+    prev = st.session_state.get("spec", PRESETS[DEFAULT_PRESET])
+    st.error(f"{str(err).rstrip('.')}. Still using {prev.label}.")
+    st.session_state.setdefault("spec", prev)
+
+
+def _accept_spec(candidate: PrecisionSpec | None, lm: LoadedModel) -> None:
+    """Make `candidate` the session's spec once the loaded model can take it (pre-RoPE keys need the model's
+    rotary embedding, Hadamard a power-of-two head_dim: `runner.new_cache` says why not)."""
+    if candidate is None:
         return
-    st.session_state["spec"] = spec
+    if candidate.pre_rope or candidate.hadamard:
+        from kvdemo.runner import new_cache
+
+        try:
+            new_cache(lm, candidate)
+        except ValueError as err:
+            _keep_previous_spec(err)
+            return
+    st.session_state["spec"] = candidate
+
+
+def _codebook_section(lm: LoadedModel) -> None:
+    """For a nuq spec: which codebooks the caches use, and a button to fit this model's own when it has none."""
+    if not any(spec().codebook_levels().values()):
+        return
+    from kvdemo import codebooks
+
+    done = st.session_state.pop("kv_calibrated", None)
+    if done is not None:
+        st.success(f"Saved {done['tensors']} codebooks to {done['path']} in {done['seconds']:.0f} s.")
+    books = codebooks.for_model(lm)
+    st.caption(f"nuq codebooks: {codebooks.describe(books)}")
+    if books.fitted or not st.button("Calibrate codebooks for this model", key="kv_calibrate"):
+        return
+    from kvdemo.calibration import calibrate_to_file
+
+    bar = st.progress(0.0, text="Calibrating: one forward and one backward pass, then the k-means per layer")
+
+    def progress(what: str, fraction: float) -> None:
+        bar.progress(min(max(fraction, 0.0), 1.0), text=f"Calibrating: {what}")
+
+    result = run_exclusive(lm, lambda: calibrate_to_file(lm, on_progress=progress))
+    bar.empty()
+    if result is not None:
+        st.session_state["kv_calibrated"] = result
+        st.rerun()
 
 
 def spec() -> PrecisionSpec:
@@ -170,8 +233,10 @@ def sidebar() -> LoadedModel:
     _keep_persisted()
     with st.sidebar:
         _model_section()
-        _precision_section()
+        candidate = _precision_section()
         lm = model()
+        _accept_spec(candidate, lm)
+        _codebook_section(lm)
         _status_card(lm)
         with st.expander("A stronger model", expanded=False, key="model_stronger"):
             from kvdemo import sizes

@@ -15,6 +15,7 @@ import streamlit as st
 from app_pages import common
 from kvdemo import figures, findings, report
 from kvdemo.memory import gpu_presets, model_configs
+from kvdemo.production import ENGINES
 
 VERDICT_ICONS = {True: ":material/check_circle:", False: ":material/cancel:", None: ":material/help:"}
 VERDICT_COLORS = {True: "green", False: "red", None: "gray"}
@@ -149,7 +150,8 @@ for c in claims:
             pd.DataFrame(
                 [
                     {"engine": e, "setting": prod[e]["setting"], "match": prod[e]["match"]}
-                    for e in ("vllm", "llama.cpp", "transformers")
+                    for e in ENGINES
+                    if e in prod  # reports written before SGLang / TensorRT-LLM were mapped lack them
                 ]
             ),
             hide_index=True,

@@ -133,10 +133,10 @@ if out is not None:
     )
 
     st.subheader(f"Take {spec.label} to production")
-    from kvdemo.production import production_settings
+    from kvdemo.production import ENGINES, production_settings
 
     prod = production_settings(spec, out["model"]["head_dim"])
-    for engine in ("vllm", "llama.cpp", "transformers"):
+    for engine in ENGINES:
         e = prod[engine]
         with st.container(border=True):
             st.markdown(f"**{engine}** ({e['match']} match, {e['bits_per_element']['key']:.3g} / "
@@ -146,6 +146,8 @@ if out is not None:
                 st.caption(f"cannot express: {gap}")
             for note in e["notes"]:
                 st.caption(note)
+            for alt in e.get("alternatives", []):
+                st.caption(f"also: `{alt['setting']}` ({alt['when']})")
 
 # --- measured on the loaded model -----------------------------------------------------------------
 st.subheader(f"Measured: the live cache of {lm.name}")

@@ -53,17 +53,32 @@ def normal_float(bits: int) -> torch.Tensor:
     return (v / v.abs().max()).float()
 
 
-def weighted_kmeans(samples: torch.Tensor, weights: torch.Tensor, n: int, iterations: int = ITERATIONS) -> torch.Tensor:
-    """1-D k-means of `samples` [N] with `weights` [N] >= 0 -> n ascending levels (Lloyd from weighted quantiles)."""
+def weighted_kmeans(
+    samples: torch.Tensor, weights: torch.Tensor, n: int, iterations: int = ITERATIONS, ends: bool = True
+) -> torch.Tensor:
+    """1-D k-means of `samples` [N] in [-1, 1] with `weights` [N] >= 0 -> n ascending levels (Lloyd from
+    weighted quantiles). ends: the outer levels stay at -1 and 1, where every group's extremes land after
+    normalization (its min and max, or its absmax), so those are stored exactly as uniform codes store them.
+
+    Samples are sorted once; each iteration finds the cells' boundaries by binary search and their weight
+    and weighted sum from prefix sums (O(n log N) per iteration, not O(N))."""
     order = samples.argsort()
     s, w = samples[order].double(), weights[order].double() + 1e-12
-    cdf = w.cumsum(0) / w.sum()
-    levels = s[torch.searchsorted(cdf, (torch.arange(n, dtype=torch.float64) + 0.5) / n).clamp(max=len(s) - 1)]
+    cw = torch.cat([torch.zeros(1, dtype=torch.float64), w.cumsum(0)])  # prefix sums: cell [i, j) = c[j] - c[i]
+    cws = torch.cat([torch.zeros(1, dtype=torch.float64), (w * s).cumsum(0)])
+    levels = s[
+        torch.searchsorted(cw[1:] / cw[-1], (torch.arange(n, dtype=torch.float64) + 0.5) / n).clamp(max=len(s) - 1)
+    ]
+    if ends:
+        levels[0], levels[-1] = -1.0, 1.0
     for _ in range(iterations):
-        idx = torch.bucketize(s, (levels[1:] + levels[:-1]) / 2)
-        mass = torch.zeros(n, dtype=torch.float64).scatter_add_(0, idx, w)
-        total = torch.zeros(n, dtype=torch.float64).scatter_add_(0, idx, w * s)
-        new = torch.where(mass > 0, total / mass.clamp(min=1e-30), levels)
+        cuts = torch.searchsorted(s, (levels[1:] + levels[:-1]) / 2)  # cell k: samples [cuts[k-1], cuts[k])
+        edges = torch.cat([torch.zeros(1, dtype=torch.long), cuts, torch.tensor([len(s)])])
+        mass = cw[edges[1:]] - cw[edges[:-1]]
+        total = cws[edges[1:]] - cws[edges[:-1]]
+        new = torch.where(mass > 1e-30, total / mass.clamp(min=1e-30), levels)
+        if ends:
+            new[0], new[-1] = -1.0, 1.0
         new, _ = new.sort()
         if torch.allclose(new, levels, atol=1e-7):
             break
@@ -123,6 +138,9 @@ def capture(lm, ids: Sequence[int]) -> list[dict]:
     ALL_MASK_ATTENTION_FUNCTIONS.register("kvdemo_calibrate", sdpa_mask)
     embed = lm.model.get_input_embeddings()
     handle = embed.register_forward_hook(lambda m, i, out: out.detach().requires_grad_(True))
+    trained = [p for p in lm.model.parameters() if p.requires_grad]
+    for p in trained:  # gradients flow to the activations only; the weights get none
+        p.requires_grad_(False)
     try:
         with attention_impl(lm, "kvdemo_calibrate"):
             x = torch.tensor([list(ids)], device=lm.device)
@@ -131,6 +149,8 @@ def capture(lm, ids: Sequence[int]) -> list[dict]:
             loss.backward()
     finally:
         handle.remove()
+        for p in trained:
+            p.requires_grad_(True)
     return [layers[i] for i in sorted(layers)]
 
 
@@ -166,10 +186,9 @@ def calibrate(
         for part, x, fisher, pre_rope in parts:
             for outliers in (False, True):
                 samples, weights = normalized_samples(x, fisher, part, OUTLIER_PCT if outliers else 0.0)
-                for b in bits:
-                    tensors[tensor_name(i, part, b, outliers, pre_rope)] = weighted_kmeans(
-                        samples, weights, 1 << b
-                    ).half()
+                for b in bits:  # 2 bits: 4 levels, two pinned to the ends would leave 2 for the bulk
+                    levels = weighted_kmeans(samples, weights, 1 << b, ends=b > 2)
+                    tensors[tensor_name(i, part, b, outliers, pre_rope)] = levels.half()
     meta = {
         "model": lm.name,
         "source": lm.source,

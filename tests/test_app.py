@@ -486,3 +486,86 @@ def test_drift_time_hint_comes_from_measured_rates():
     per_token, runs = rates.rate(lm, "drift")
     assert runs == 1 and "from the last run here" in hint
     assert hint.startswith(f"About {rates.duration(rates.estimate(lm, 'drift', (64 + 32 + 1) * 2))} ")
+
+
+# --- KV methods in the sidebar ------------------------------------------------------------------
+def test_method_options_build_the_spec_and_a_bad_combination_keeps_the_previous_one():
+    at = start()
+    at.sidebar.selectbox(key="kv_preset").set_value("nuq3").run()
+    at.sidebar.number_input(key="kv_outliers").set_value(1.0).run()
+    assert not at.exception and not at.sidebar.error, [e.value for e in at.sidebar.error]
+    assert at.session_state["spec"].label == "nuq3:o1"
+    assert any(c.value.startswith("nuq codebooks: fitted on") for c in at.sidebar.caption)  # the shipped file
+    assert not at.sidebar.get("button") or all(b.key != "kv_calibrate" for b in at.sidebar.button)
+    at.sidebar.checkbox(key="kv_prerope").check().run()
+    assert at.session_state["spec"].label == "nuq3:o1:prerope"
+    at.sidebar.checkbox(key="kv_hadamard").check().run()
+    assert not at.exception
+    (err,) = [e.value for e in at.sidebar.error]
+    assert "do not combine" in err and "Still using nuq3:o1:prerope" in err
+    assert at.session_state["spec"].label == "nuq3:o1:prerope"
+    at.sidebar.checkbox(key="kv_prerope").uncheck().run()
+    assert at.session_state["spec"].label == "nuq3:o1:hadamard" and not at.sidebar.error  # head_dim 64
+    at.sidebar.selectbox(key="kv_preset").set_value("nvfp4").run()  # outliers narrow integer/nuq ranges only
+    assert "no range to narrow" in at.sidebar.error[0].value
+    assert at.session_state["spec"].label == "nuq3:o1:hadamard"
+
+
+def test_a_spec_the_model_cannot_take_is_rejected_with_the_reason(monkeypatch):
+    import kvdemo.runner
+
+    def refuse(lm, spec):
+        raise ValueError(f"hadamard needs a power-of-two head_dim; this model's is 96 ({spec.label})")
+
+    at = start()
+    monkeypatch.setattr(kvdemo.runner, "new_cache", refuse)
+    at.sidebar.checkbox(key="kv_hadamard").check().run()
+    assert not at.exception
+    (err,) = [e.value for e in at.sidebar.error]
+    assert "power-of-two head_dim" in err and "Still using int4" in err
+    assert at.session_state["spec"].label == "int4"
+
+
+def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatch):
+    """A model without a codebook file gets NormalFloat levels and a button; calibrating saves the file
+    where the caches look (the fit itself is faked: tests/test_calibrate.py runs the real one)."""
+    import torch
+
+    from kvdemo import codebooks
+
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(codebooks, "ASSET_DIR", tmp_path / "no-shipped-files")
+    calls = []
+
+    def fake_calibrate(lm, ids=None, bits=codebooks.BITS, on_progress=None):
+        calls.append(len(ids))
+        for frac in (0.0, 0.5, 1.0):
+            on_progress("layer", frac)
+        levels = torch.linspace(-1, 1, 8).half()
+        meta = {"layers": str(lm.num_layers), "calibration_tokens": str(len(ids)), "date": "today", "seconds": "1"}
+        return codebooks.Codebooks({codebooks.tensor_name(0, "key", 3, False, False): levels}, meta)
+
+    at = start("app_pages/chat.py")
+    doc = at.session_state["document"]["name"]
+    at.sidebar.selectbox(key="kv_preset").set_value("nuq3").run()
+    assert any("NormalFloat levels" in c.value for c in at.sidebar.caption)
+    monkeypatch.setattr(codebooks, "calibrate", fake_calibrate)
+    at.sidebar.button(key="kv_calibrate").click().run()
+    assert not at.exception and not at.sidebar.error, [e.value for e in at.sidebar.error]
+    assert calls == [2048]
+    path = tmp_path / "codebooks" / "embedded.safetensors"
+    assert path.is_file() and any(str(path) in s.value for s in at.sidebar.success)
+    assert any(c.value.startswith("nuq codebooks: fitted on 2048 tokens") for c in at.sidebar.caption)
+    assert all(b.key != "kv_calibrate" for b in at.sidebar.button)
+    assert at.session_state["document"]["name"] == doc
+
+    def broken(lm, ids=None, bits=codebooks.BITS, on_progress=None):
+        raise RuntimeError("no attention hook on this architecture")
+
+    path.unlink()
+    monkeypatch.setattr(codebooks, "calibrate", broken)
+    at.run()
+    at.sidebar.button(key="kv_calibrate").click().run()
+    assert not at.exception
+    assert any("calibration failed" in e.value and "no attention hook" in e.value for e in at.sidebar.error)
+    assert at.session_state["document"]["name"] == doc and not path.exists()

@@ -31,8 +31,8 @@ from kvdemo.memory import (
     prefill_updates,
     sequence_bytes,
 )
-from kvdemo.precision import parse_precision
-from kvdemo.production import LLAMA_CPP_BITS, production_settings
+from kvdemo.precision import PRESETS, parse_precision
+from kvdemo.production import ENGINES, LLAMA_CPP_BITS, production_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL = ["full", "fp8", "int8", "k8v4", "k4v8", "int4", "int2"]
@@ -325,19 +325,116 @@ def test_loaded_model_headroom_measures_the_live_cache(lm, monkeypatch):
 def test_full_precision_is_each_engine_default():
     p = production_settings("full")
     assert p["vllm"]["setting"] == "--kv-cache-dtype auto"
+    assert p["sglang"]["setting"] == "--kv-cache-dtype auto"
+    assert p["tensorrt-llm"]["setting"] == 'LLM(model, kv_cache_config=KvCacheConfig(dtype="auto"))'
     assert p["llama.cpp"]["setting"] == "-ctk f16 -ctv f16"
-    assert all(p[e]["match"] == "exact" and not p[e]["cannot_express"] for e in ("vllm", "llama.cpp", "transformers"))
+    assert all(p[e]["match"] == "exact" and not p[e]["cannot_express"] for e in ENGINES)
 
 
-def test_vllm_has_only_fp8_kv():
-    for spec in ("int8", "int4", "int2", "k8v4", "fp8"):
+def test_vllm_maps_to_its_recent_kv_dtypes_and_fp8_for_older_releases():
+    """vLLM 0.25 (CacheDType on main): per-token-head int8/int4, TurboQuant presets below 4 bits and for
+    k8v4; every sub-fp8 choice names fp8 as the fallback for releases that lack them."""
+    want = {
+        "int8": "int8_per_token_head",
+        "int4": "int4_per_token_head",
+        "k4v8": "int8_per_token_head",
+        "k8v4": "turboquant_k8v4",
+        "int3": "turboquant_3bit_nc",
+        "int2": "turboquant_3bit_nc",
+        "nuq4": "turboquant_4bit_nc",
+        "nuq3": "turboquant_3bit_nc",
+        "int4:hadamard": "turboquant_4bit_nc",
+        "nvfp4": "nvfp4",
+    }
+    for spec, dtype in want.items():
         v = production_settings(spec)["vllm"]
-        assert v["setting"].startswith("--kv-cache-dtype fp8 ") and v["match"] == "nearest"
+        assert v["setting"] == f"--kv-cache-dtype {dtype}", spec
+        assert [a["setting"] for a in v["alternatives"]] == ["--kv-cache-dtype fp8 --calculate-kv-scales"], spec
+    assert production_settings("fp8")["vllm"]["setting"] == "--kv-cache-dtype fp8 --calculate-kv-scales"
     assert production_settings("fp8-e5m2")["vllm"]["setting"] == "--kv-cache-dtype fp8_e5m2"
+    assert production_settings("nvfp4")["vllm"]["match"] == "exact"
     gaps = " ".join(production_settings("int4:s4")["vllm"]["cannot_express"])
-    assert "below 8 bits" in gaps and "sink" in gaps and "residual" in gaps and "per-channel" in gaps
+    assert "sink" in gaps and "residual" in gaps and "per-channel" in gaps and "group-wise" in gaps
     assert "sink" not in " ".join(production_settings("int4:s0")["vllm"]["cannot_express"])
-    assert "different key and value formats" in " ".join(production_settings("k8v4")["vllm"]["cannot_express"])
+    assert "2-bit" in " ".join(production_settings("int2")["vllm"]["cannot_express"])
+    assert "one dtype for both" in " ".join(production_settings("k4v8")["vllm"]["cannot_express"])
+    assert "2-bit values" in " ".join(production_settings("k8v2")["vllm"]["cannot_express"])
+    rot = " ".join(production_settings("int8:hadamard")["vllm"]["cannot_express"])
+    assert "Hadamard" in rot and "Hadamard" not in " ".join(
+        production_settings("int4:hadamard")["vllm"]["cannot_express"]
+    )
+
+
+def test_every_format_and_option_maps_on_every_engine():
+    specs = [*PRESETS, "int4:hadamard", "k8v4:hadamard", "nuq3:o1", "nuq2:o1:s4", "int4:prerope", "int3:ktoken"]
+    for name in specs:
+        p = production_settings(name, head_dim=64)
+        assert p["precision"] == parse_precision(name).label
+        for engine in ENGINES:
+            e = p[engine]
+            assert {"setting", "match", "bits_per_element", "cannot_express", "notes", "alternatives"} <= set(e)
+            assert e["setting"] and e["match"] in ("exact", "nearest", "none"), (name, engine)
+            assert 2 <= e["bits_per_element"]["key"] <= 16 and 2 <= e["bits_per_element"]["value"] <= 16
+            assert all(a["setting"] and a["when"] for a in e["alternatives"])
+        k, v = p["llama.cpp"]["setting"].split()[1], p["llama.cpp"]["setting"].split()[3]
+        assert k in LLAMA_CPP_BITS and v in LLAMA_CPP_BITS, name
+        assert p["sglang"]["setting"].split()[1] in ("auto", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"), name
+        assert any(f'dtype="{d}"' in p["tensorrt-llm"]["setting"] for d in ("auto", "fp8", "nvfp4")), name
+
+
+def test_what_no_engine_can_express_is_listed_for_each():
+    """nuq codebooks, dense-and-sparse outliers and pre-RoPE keys: no engine; per-channel keys and the
+    residual window: only transformers' QuantizedCache."""
+    p = production_settings("nuq3:o1:prerope")
+    for engine in ENGINES:
+        gaps = " ".join(p[engine]["cannot_express"])
+        assert "nuq codebooks" in gaps and "outliers (1%" in gaps and "pre-RoPE" in gaps, engine
+        if engine != "transformers":
+            assert "per-channel key" in gaps and "residual window" in gaps, engine
+    assert "per-channel key quantization" not in " ".join(p["transformers"]["cannot_express"])
+    plain = " ".join(g for e in ENGINES for g in production_settings("int4")[e]["cannot_express"])
+    assert "nuq" not in plain and "outliers" not in plain and "pre-RoPE" not in plain
+    nvfp4 = production_settings("nvfp4")  # per token by construction: no per-channel gap
+    assert not any("per-channel" in g for e in ENGINES for g in nvfp4[e]["cannot_express"])
+
+
+def test_nvfp4_is_exact_where_an_engine_has_it_and_nearest_elsewhere():
+    p = production_settings("nvfp4")
+    assert p["vllm"]["setting"] == "--kv-cache-dtype nvfp4" and p["vllm"]["match"] == "exact"
+    assert p["tensorrt-llm"]["setting"] == 'LLM(model, kv_cache_config=KvCacheConfig(dtype="nvfp4"))'
+    assert p["tensorrt-llm"]["match"] == "exact" and "--kv_cache_quant nvfp4" in " ".join(p["tensorrt-llm"]["notes"])
+    assert p["vllm"]["bits_per_element"] == {"key": 4.5, "value": 4.5}
+    # SGLang's fp4_e2m1 keeps E2M1 codes in blocks of 16 but (per its docs) an 8-bit exponent scale
+    assert p["sglang"]["setting"] == "--kv-cache-dtype fp4_e2m1" and p["sglang"]["match"] == "nearest"
+    assert "E4M3" in " ".join(p["sglang"]["cannot_express"])
+    assert p["llama.cpp"]["setting"] == "-ctk iq4_nl -ctv iq4_nl -fa on"
+    assert (
+        p["transformers"]["cache_config"]["q_group_size"] == 16 and p["transformers"]["cache_config"]["axis_key"] == 0
+    )
+
+
+def test_three_bit_and_nuq_formats_take_the_nearest_setting():
+    assert production_settings("int3")["transformers"]["cache_config"]["backend"] == "hqq"
+    assert production_settings("int3")["transformers"]["cache_config"]["nbits"] == 3
+    assert production_settings("nuq3")["transformers"]["cache_config"]["nbits"] == 3
+    assert production_settings("nuq4")["transformers"]["cache_config"]["backend"] == "quanto"
+    three = production_settings("int3")["llama.cpp"]
+    assert three["setting"] == "-ctk q4_0 -ctv q4_0 -fa on" and "3-bit KV" in " ".join(three["cannot_express"])
+    assert production_settings("nuq4")["llama.cpp"]["setting"] == "-ctk iq4_nl -ctv iq4_nl -fa on"
+    assert "3-bit" in " ".join(production_settings("nuq3")["sglang"]["cannot_express"])
+    assert "3-bit" in " ".join(production_settings("int3")["tensorrt-llm"]["cannot_express"])
+
+
+def test_hadamard_maps_to_rotated_settings_or_says_it_cannot():
+    p = production_settings("int4:hadamard", head_dim=128)
+    assert "built in" in " ".join(p["llama.cpp"]["notes"])  # llama.cpp rotates a quantized cache (PR #21038)
+    assert not any("Hadamard" in g for g in p["llama.cpp"]["cannot_express"])
+    odd = production_settings("int4:hadamard", head_dim=96)["llama.cpp"]
+    assert any("multiple of 64" in g for g in odd["cannot_express"])
+    assert "LLAMA_ATTN_ROT_DISABLE=1" in " ".join(production_settings("int4")["llama.cpp"]["notes"])
+    for engine in ("sglang", "tensorrt-llm", "transformers"):
+        assert any("Hadamard" in g for g in p[engine]["cannot_express"]), engine
+    assert production_settings("k8v4:hadamard")["vllm"]["setting"] == "--kv-cache-dtype turboquant_k8v4"
 
 
 def test_llama_cpp_types_and_flash_attention():
@@ -371,7 +468,7 @@ def test_transformers_quantized_cache_settings_are_accepted_by_transformers():
     }
     assert production_settings("int4:ktoken")["transformers"]["cache_config"]["axis_key"] == 0
     assert production_settings("int2:r256")["transformers"]["cache_config"]["residual_length"] == 256
-    for spec in ("int4", "int2", "int4:ktoken", "k4v2"):
+    for spec in ("int4", "int2", "int4:ktoken", "k4v2", "nvfp4", "nuq4", "nuq2:o1"):
         cfg = dict(production_settings(spec, head_dim=64)["transformers"]["cache_config"])
         QuantizedCache(backend=cfg.pop("backend"), config=config, **cfg)  # raises if transformers rejects it
     assert '"backend": "fp8"' in production_settings("fp8")["transformers"]["setting"]

@@ -269,3 +269,36 @@ def test_gpu_run_figures_match_its_report():
     q = re.search(r"at ([\d.]+) of copy bandwidth", README)
     assert q and _printed(q.group(1), goals["quantize_fraction_of_copy"]["measured"])
     assert re.search(r"62 passed, 4 skipped", (gpu / "gpu_tests.txt").read_text()) and "62 passed, 4 skipped" in README
+
+
+def test_production_table_is_the_mapping():
+    """README's production table is what `production_settings(spec, 64)` prints, cell by cell."""
+    from kvdemo.production import production_settings
+
+    _, rows = _table(["precision", "vLLM `--kv-cache-dtype`", "SGLang `--kv-cache-dtype`",
+                      "TensorRT-LLM `KvCacheConfig(dtype=)`", "llama.cpp"])  # fmt: skip
+    assert len(rows) >= 8
+    for spec, vllm, sglang, trt, llama in rows:
+        p = production_settings(spec, 64)
+        assert f"--kv-cache-dtype {vllm.split()[0]}" in p["vllm"]["setting"], spec
+        assert ("(exact)" in vllm) == (p["vllm"]["match"] == "exact"), spec
+        assert f"--kv-cache-dtype {sglang.split()[0]}" in p["sglang"]["setting"], spec
+        assert f'dtype="{trt.split()[0]}"' in p["tensorrt-llm"]["setting"], spec
+        assert ("(exact)" in trt) == (p["tensorrt-llm"]["match"] == "exact"), spec
+        assert llama.split("`")[1] in p["llama.cpp"]["setting"], spec
+
+
+def test_methods_tables_are_the_ablation_report():
+    """The methods section (issue 17): ablation grid, live memory and decode speed from assets/reports/ablation.json."""
+    from kvdemo.cli.ppl import ablation_markdown, memory_markdown, speed_markdown
+
+    report = _report("ablation.json")
+    for table in (ablation_markdown(report), memory_markdown(report), speed_markdown(report)):
+        assert table in README, "README's methods tables differ from assets/reports/ablation.json"
+    _says_date(README.index(ablation_markdown(report)), report["date"])
+    assert report["command"] in README
+    for row in report["memory"]["results"]:
+        assert row["bytes"] == row["formula_bytes"]  # the live cache agrees with the layout formula to the byte
+    for check in report["checks"]:
+        verdict = "holds" if check["holds"] else "does not hold"
+        assert f"{check['claim']}: {verdict}" in README

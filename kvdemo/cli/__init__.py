@@ -169,6 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="also write ppl.json (ablation.json with --ablation) into this folder")
     p.set_defaults(func=_lazy("ppl", "run_cli"), text=_lazy("ppl", "format_text"))
 
+    p = sub.add_parser("calibrate", help="fit the model's nuq codebooks (KVQuant) and save them where nuq caches look")
+    p.add_argument(
+        "--model",
+        default="embedded",
+        help="embedded (default), a Hugging Face id, a folder, a .gguf, or random / random:<config> (random weights)",
+    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument(
+        "--tokens", type=_positive_int, default=None, help="calibration tokens of the bundled prose (default 2048)"
+    )
+    p.add_argument("--out", default="", help="the file to write (default: <cache dir>/codebooks/<model>.safetensors)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_lazy("calibrate", "run_cli"), text=_lazy("calibrate", "format_text"))
+
     p = sub.add_parser("headroom", help="KV bytes/token and concurrent sequences per precision on a GPU budget")
     p.add_argument("--model-config", default="llama-3.1-8b", help="a reference config name or 'loaded'")
     p.add_argument("--gpu", default="h100-80gb")

@@ -18,6 +18,7 @@ from ..memory import (
     headroom,
 )
 from ..precision import parse_precision_list
+from ..production import ENGINES
 
 
 def run_headroom_cli(args) -> dict:
@@ -97,11 +98,17 @@ def _gb(x: float) -> str:
     return f"{x / GB:,.2f} GB"
 
 
+def _label_width(labels, least: int = 14) -> int:
+    """A column wide enough for every precision label (options make them long: nuq3:o1:prerope)."""
+    return max([least - 2, *(len(label) for label in labels)]) + 2
+
+
 def format_headroom(out: dict) -> str:
     """Human-readable headroom report (what `python -m kvdemo headroom` prints without --json)."""
     if "measured_max_sequences" in out:
         return _format_measured(out)
     m, g = out["model"], out["gpu_info"]
+    w = _label_width(out["max_sequences"])
     lines = [
         f"{m['display_name']}: {m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, "
         f"{m['params'] / 1e9:.2f}B params at {out['weight_bits']}-bit = {_gb(out['weights_bytes'])}",
@@ -109,7 +116,7 @@ def format_headroom(out: dict) -> str:
         f"KV room {_gb(out['free_kv_bytes'])}; context {out['context']:,} tokens, "
         f"{out['users']} user(s) for the max-context column",
         "",
-        f"{'precision':<16}{'bits K/V':>12}{'B/token':>11}{'KV/seq':>12}{'max seqs':>10}{'vs 16-bit':>10}"
+        f"{'precision':<{w + 2}}{'bits K/V':>12}{'B/token':>11}{'KV/seq':>12}{'max seqs':>10}{'vs 16-bit':>10}"
         f"{'max ctx':>12}",
     ]
     for label, n in out["max_sequences"].items():
@@ -118,20 +125,20 @@ def format_headroom(out: dict) -> str:
         ctx = out["max_context_for_users"][label]
         limit = " (model)" if out["max_context_limited_by"][label] == "model" else ""
         lines.append(
-            f"{label:<16}{bits['key']:>6.3g}/{bits['value']:<5.3g}{out['bytes_per_token'][label]:>11,}"
+            f"{label:<{w + 2}}{bits['key']:>6.3g}/{bits['value']:<5.3g}{out['bytes_per_token'][label]:>11,}"
             f"{_gb(out['sequence_bytes'][label]):>12}{n:>10,}{'-' if ratio is None else f'{ratio:.2f}x':>10}"
             f"{ctx:>12,}{limit}"
         )
     lines.append("\nmemory split at max sequences (all GPUs): weights / KV / reserve / free")
     for label, s in out["split"].items():
         lines.append(
-            f"  {label:<14}{_gb(s['weights'])} / {_gb(s['kv'])} / {_gb(s['reserve'])} / {_gb(s['free'])}"
+            f"  {label:<{w}}{_gb(s['weights'])} / {_gb(s['kv'])} / {_gb(s['reserve'])} / {_gb(s['free'])}"
             + (f"  (over by {_gb(s['over'])})" if s["over"] else "")
         )
     lines.append("\nstacking: max sequences by weight bits x KV precision")
-    lines.append("  " + f"{'':<14}" + "".join(f"{wb + '-bit W':>11}" for wb in map(str, WEIGHT_BITS)))
+    lines.append("  " + f"{'':<{w}}" + "".join(f"{wb + '-bit W':>11}" for wb in map(str, WEIGHT_BITS)))
     for label, row in out["stacking"].items():
-        lines.append(f"  {label:<14}" + "".join(f"{row[str(wb)]:>11,}" for wb in WEIGHT_BITS))
+        lines.append(f"  {label:<{w}}" + "".join(f"{row[str(wb)]:>11,}" for wb in WEIGHT_BITS))
     reasons = [(k, r) for k, r in out["reason"].items() if r]
     if reasons:
         lines.append("")
@@ -139,17 +146,19 @@ def format_headroom(out: dict) -> str:
     lines.append("\ntake it to production (nearest settings):")
     for label, p in out["production"].items():
         lines.append(f"  {label}:")
-        for engine in ("vllm", "llama.cpp", "transformers"):
+        for engine in [e for e in ENGINES if e in p]:
             e = p[engine]
             lines.append(f"    {engine:<13}{e['setting']}  [{e['match']}]")
             for gap in e["cannot_express"]:
                 lines.append(f"    {'':<13}- cannot: {gap}")
+            for alt in e.get("alternatives", []):
+                lines.append(f"    {'':<13}- also: {alt['setting']} ({alt['when']})")
     if "measured" in out:
         meas = out["measured"]
         lines.append(f"\nmeasured live cache ({meas['tokens']:,} tokens, {meas['dtype']}) vs formula:")
         for r in meas["results"]:
             lines.append(
-                f"  {r['precision']:<14}{r['bytes']:>14,} B measured  {r['formula_bytes']:>14,} B formula "
+                f"  {r['precision']:<{w}}{r['bytes']:>14,} B measured  {r['formula_bytes']:>14,} B formula "
                 f"({r['error_vs_formula']:+.2%})  {r['formula_plain_bytes']:>14,} B bytes/token x tokens "
                 f"({r['error_vs_plain']:+.2%})"
             )
@@ -186,14 +195,15 @@ def measured_markdown(out: dict) -> str:
 
 
 def _format_measured(out: dict) -> str:
+    w = _label_width([r["precision"] for r in out["results"]], 12)
     lines = [
         f"{out['model']} ({out['dtype']}), budget {_gb(out['budget_bytes'])}, context {out['context']:,} tokens",
-        f"{'precision':<12}{'measured':>10}{'formula':>9}{'ratio':>8}  decode tokens/s by batch size",
+        f"{'precision':<{w}}{'measured':>10}{'formula':>9}{'ratio':>8}  decode tokens/s by batch size",
     ]
     for r in out["results"]:
         speeds = ", ".join(f"{s['batch']}: {s['tokens_per_s']:.1f}" for s in r["tokens_per_s"])
         ratio = "" if r["measured_vs_formula"] is None else f"{r['measured_vs_formula']:.3f}"
         lines.append(
-            f"{r['precision']:<12}{r['measured_max_sequences']:>10}{r['max_sequences']:>9}{ratio:>8}  {speeds}"
+            f"{r['precision']:<{w}}{r['measured_max_sequences']:>10}{r['max_sequences']:>9}{ratio:>8}  {speeds}"
         )
     return "\n".join(lines)

@@ -59,7 +59,9 @@ def ablation_speed(lm, tokens: int, progress) -> dict:
 def format_text(out: dict) -> str:
     text = _ppl_text(out)
     if "rows" in out:
-        text += "\n\n" + ablation_markdown(out)
+        checks = [f"{c['claim']}: {'holds' if c['holds'] else 'does not hold'} ({c['values']})" for c in out["checks"]]
+        parts = [ablation_markdown(out), *checks, memory_markdown(out), speed_markdown(out)]
+        text += "\n\n" + "\n\n".join(parts)
     return text
 
 
@@ -108,4 +110,28 @@ def ablation_markdown(out: dict) -> str:
                 else f"{r['delta_vs_full']:+.3f}<br>{r['bits_per_element']:.2f} b, {r['ratio_vs_fp16']:.2f}x"
             )
         lines.append(f"| {row['bits']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_markdown(out: dict) -> str:
+    """README's live-memory table of an ablation report: the cache holding the prompt vs the layout formula."""
+    m = out["memory"]
+    lines = [
+        f"| precision | live bytes @{m['tokens']} | formula bytes | ratio vs fp16 | bits/element |",
+        "|---|---|---|---|---|",
+    ]
+    for r in m["results"]:
+        lines.append(
+            f"| {r['precision']} | {r['bytes']:,} | {r['formula_bytes']:,} | {r['ratio_vs_fp16']:.2f}x | "
+            f"{r['bits_per_element']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def speed_markdown(out: dict) -> str:
+    """README's decode-speed table of an ablation report (side by side in one run)."""
+    d = out["decode"]
+    lines = [f"| precision | decode tok/s @{d['context']} | vs {d['results'][0]['precision']} |", "|---|---|---|"]
+    for r in d["results"]:
+        lines.append(f"| {r['precision']} | {r['tokens_per_s']:.2f} | {r['vs_first']:.2f}x |")
     return "\n".join(lines)

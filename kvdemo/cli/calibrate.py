@@ -1,0 +1,40 @@
+"""`python -m kvdemo calibrate`: fit the model's nuq codebooks (kvdemo.calibration) and save them where nuq
+caches look first; progress on stderr, the file's path, tensor count, size and seconds on stdout."""
+
+from __future__ import annotations
+
+import sys
+
+
+def load(args):
+    """The model of `--model`: anything `load_model` takes, or "random" / "random:<config>" (random weights,
+    the shapes of kvdemo.scale.SCALE_MODEL or of a reference config)."""
+    from ..models import load_model, pick_device, random_model
+
+    source = (args.model or "").strip()
+    if source == "random" or source.startswith("random:"):
+        from ..scale import SCALE_MODEL
+
+        shape = SCALE_MODEL if source == "random" else source.removeprefix("random:")
+        return random_model(shape, pick_device(args.device), args.dtype)
+    return load_model(source, device=args.device, dtype=args.dtype)
+
+
+def run_cli(args) -> dict:
+    from ..calibration import calibrate_to_file
+
+    def progress(what: str, fraction: float) -> None:
+        print(f"[{fraction:4.0%}] {what}", file=sys.stderr, flush=True)
+
+    lm = load(args)
+    return calibrate_to_file(lm, tokens=args.tokens, out=args.out or None, on_progress=progress)
+
+
+def format_text(out: dict) -> str:
+    return (
+        f"codebooks of {out['model']} ({out['layers']} layers, {out['tokens']:,} calibration tokens)\n"
+        f"path: {out['path']}\n"
+        f"tensors: {out['tensors']}\n"
+        f"size: {out['bytes']:,} bytes\n"
+        f"seconds: {out['seconds']:.1f}"
+    )
