@@ -296,7 +296,7 @@ def test_bad_input_is_a_chat_error(lm, session, monkeypatch):
         session.ask("Who founded Zorblat?", max_new_tokens=NEW)
     assert session.turns == [] and not lm.lock.locked()
     with pytest.raises(ValueError, match="unknown precision"):
-        session.set_precision("int3")
+        session.set_precision("int5")
 
 
 @pytest.mark.model

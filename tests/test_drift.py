@@ -254,7 +254,7 @@ def test_cli_json(tmp_path):
 def test_cli_rejects_bad_input(tmp_path, capsys):
     from kvdemo.cli import main
 
-    assert main(["drift", "--precision", "int3", "--tokens", "100"]) == 2
+    assert main(["drift", "--precision", "int5", "--tokens", "100"]) == 2
     assert "unknown precision" in capsys.readouterr().err
     assert main(["drift", "--tokens", "100", "--document", str(tmp_path / "missing.txt")]) == 2
     assert "document not found" in capsys.readouterr().err

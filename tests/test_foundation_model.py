@@ -93,7 +93,7 @@ def test_cli_info_and_bad_input():
     assert info.returncode == 0, info.stderr
     data = json.loads(info.stdout)
     assert (data["layers"], data["kv_heads"], data["head_dim"], data["max_context"]) == (30, 3, 64, 8192)
-    bad = _cli("memory", "--precision", "int3", "--tokens", "64")
+    bad = _cli("memory", "--precision", "int5", "--tokens", "64")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "presets" in bad.stderr
     missing = _cli("info", "--model", "./no-such-folder")
     assert missing.returncode == 2 and "not found" in missing.stderr
