@@ -57,26 +57,19 @@ def calibrate_to_file(
 ) -> dict:
     """Fit every nuq codebook of `lm` over `tokens` tokens (default: 2,048 or the model's context) and save
     them to `out` (default `default_path(lm)`) -> {"model", "source", "path", "tensors", "bytes", "seconds",
-    "tokens", "layers"}. The model's weights take no gradients while it runs (only the keys and values do)."""
+    "tokens", "layers"}. The model's weights take no gradients (`codebooks.capture`), only the keys and values."""
     tokens = default_tokens(lm) if tokens is None else int(tokens)
     ids = calibration_ids(lm, tokens)
     path = Path(out).expanduser() if out else default_path(lm)
     if path.exists() and path.is_dir():
         raise ValueError(f"{path} is a folder: give a file name (e.g. {path / codebooks.file_name(lm.source)})")
-    params = [(p, p.requires_grad) for p in lm.model.parameters()]
     t0 = time.perf_counter()
-    try:
-        for p, _ in params:
-            p.requires_grad_(False)  # the Fisher weights need dL/dK and dL/dV only, not the weights' gradients
+    try:  # codebooks.capture takes dL/dK and dL/dV only: the weights get no gradients and are left as found
         books = codebooks.calibrate(lm, ids=ids, on_progress=on_progress)
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, KeyError, IndexError) as err:  # an architecture the capture hook does not fit
         raise ValueError(f"calibration failed on {lm.name}: {err}") from err
-    finally:
-        for p, flag in params:
-            p.requires_grad_(flag)
-        lm.model.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - t0
     try:
         books.save(path)

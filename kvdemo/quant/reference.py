@@ -79,10 +79,8 @@ class QuantizedTensor:
     @property
     def plain(self) -> bool:
         """Uniform int / fp8 codes with nothing else: the fast paths and the Triton kernels read these."""
-        return self._no_extras() and (self.fmt in INT_BITS or self.fmt in FP8_DTYPES)
-
-    def _no_extras(self) -> bool:
-        return self.levels is None and self.outlier_delta is None and self.rotation is None and self.rope is None
+        extras = (self.levels, self.outlier_delta, self.rotation, self.rope)
+        return all(e is None for e in extras) and (self.fmt in INT_BITS or self.fmt in FP8_DTYPES)
 
     def nbytes(self) -> dict:
         def size(t):
@@ -269,13 +267,19 @@ def _nuq_scale(lo: torch.Tensor, hi: torch.Tensor, axis: str):
     return absmax.clamp(min=MIN_SCALE, max=FP16_MAX).half().float(), None
 
 
+def _row_blocks(start: int, rows: int, block: int, device) -> torch.Tensor:
+    """nvfp4: index of each of `rows` rows starting at position `start` among the tensor scales, long [rows]
+    (blocks of `block` positions, counted from the one holding `start`)."""
+    return (start + torch.arange(rows, device=device)) // block - start // block
+
+
 def _quantize_nvfp4(xf: torch.Tensor, block: int, extras: dict) -> QuantizedTensor:
     """NVFP4: per block of `block` rows and head an fp32 tensor scale, per 16 channels an E4M3 scale, E2M1 codes."""
     b, h, t, d = xf.shape
     start = extras["start"]
     if d % 16:
         raise ValueError(f"nvfp4 needs head_dim a multiple of 16, not {d}")
-    rows_block = (start + torch.arange(t, device=xf.device)) // block - start // block  # [T] block of each row
+    rows_block = _row_blocks(start, t, block, xf.device)  # [T] block of each row
     n_blocks = int(rows_block[-1]) + 1 if t else 0
     amax = torch.zeros(b, h, n_blocks, device=xf.device).scatter_reduce_(
         2, rows_block.view(1, 1, t).expand(b, h, t), xf.abs().amax(-1), "amax"
@@ -355,7 +359,7 @@ def group_scale(q: QuantizedTensor) -> torch.Tensor:
     if q.fmt != "nvfp4":
         return q.scale.float()
     t = q.codes.shape[-2]
-    rows_block = (q.start + torch.arange(t, device=q.codes.device)) // q.block - q.start // q.block
+    rows_block = _row_blocks(q.start, t, q.block, q.codes.device)
     return q.scale.view(torch.float8_e4m3fn).float() * q.tensor_scale[:, :, rows_block].unsqueeze(-1)
 
 
