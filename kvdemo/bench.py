@@ -10,6 +10,9 @@ side by side in one run (`python -m kvdemo bench --json --out reports/`). Conten
 - ``kvdemo-int4:ktoken:g64``: transformers' own scheme (4-bit, keys and values per token in groups of 64
   channels, residual 128) in kvdemo's implementation, so the gap to ``hf-quanto-int4`` splits into what
   the scheme costs and what the implementation costs;
+- ``kvdemo-int3``, ``kvdemo-nuq4:o1``, ``kvdemo-nuq3:o1``, ``kvdemo-nuq2:o1:s1``, ``kvdemo-int4:hadamard``,
+  ``kvdemo-nvfp4``: the methods beyond uniform codes (KVQuant's nuq with outliers and the fp16 first token,
+  3-bit, Hadamard rotation, NVFP4; kvdemo/precision.py), in the same harness;
 - ``hf-quanto-int4`` / ``-int2`` and ``hf-hqq-int4`` / ``-int2``: transformers `QuantizedCache` with the
   optimum-quanto / HQQ backend at its defaults (group 64 along head_dim for keys and values, residual
   128; it dequantizes the whole cache at every step and re-quantizes all of it when the residual
@@ -73,6 +76,7 @@ from .ppl import exact_states, score_caches, store_states
 from .precision import PrecisionSpec, parse_precision
 
 KVDEMO_PRESETS = ("int8", "k8v4", "k4v8", "int4", "int4:ktoken:g64", "int2", "fp8")
+METHOD_PRESETS = ("int3", "nuq4:o1", "nuq3:o1", "nuq2:o1:s1", "int4:hadamard", "nvfp4")  # issue 17's formats
 QUICK_PRESETS = ("int4", "int4:ktoken:g64")
 HF_DEFAULTS = {"q_group_size": 64, "residual_length": 128, "axis_key": 0, "axis_value": 0}  # transformers' own
 KEY_VS_VALUE = ("kvdemo-k4v8", "kvdemo-k8v4")  # 4-bit keys (8-bit values) vs 4-bit values (8-bit keys)
@@ -215,7 +219,7 @@ def contenders(quick: bool = False, residual: int | None = None) -> tuple[list[C
     from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
     residual = residual or (QUICK if quick else FULL).residual
-    presets = QUICK_PRESETS if quick else KVDEMO_PRESETS
+    presets = QUICK_PRESETS if quick else KVDEMO_PRESETS + METHOD_PRESETS
     run = [Contender("full", "dynamic")]
     run += [
         Contender(f"kvdemo-{p}", "kvdemo", parse_precision(p).key_bits, kvdemo_precision(p, residual), residual)

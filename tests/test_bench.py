@@ -105,6 +105,7 @@ def test_sizes_and_contenders_are_validated():
         "kvdemo-fp8",
     ]
     assert {"hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-fp8"} <= set(names)
+    assert {f"kvdemo-{p}" for p in ("int3", "nuq4:o1", "nuq3:o1", "nuq2:o1:s1", "int4:hadamard", "nvfp4")} <= set(names)
     assert all(s["reason"] for s in skipped)
     for sizes in bench.SIZES.values():  # the timed decode window crosses every quantized contender's flush
         assert sizes.new_tokens * sizes.rounds >= sizes.residual and sizes.new_tokens % sizes.residual == 0

@@ -71,3 +71,25 @@ def test_cli_prints_the_documented_rows(lm, capsys, tmp_path):
         assert set(r) >= {"precision", "ppl", "delta_vs_full", "bits_per_element", "ratio_vs_fp16"}
     assert main(["ppl", "--precision", "int4", "--tokens", "999999"]) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
+
+
+def test_ablation_grid_and_its_checks():
+    """Every ablation cell parses, NVFP4 sits in the 4-bit row only, the sink columns add exactly `:s1`, and the
+    checks hold or fail on the figures given (20% of int2, nuq3:o1 no worse than int4)."""
+    grid = ppl.ablation_precisions()
+    assert list(grid) == [4, 3, 2] and [grid[b]["NVFP4"] for b in (4, 3, 2)] == ["nvfp4", None, None]
+    for b, row in grid.items():
+        assert list(row) == list(ppl.ABLATION_COLUMNS)
+        specs = {col: parse_precision(p) for col, p in row.items() if p is not None}
+        assert specs["int"].key_bits == specs["nuq"].key_bits == b
+        assert specs["int + fp16 sink"].sinks == specs["nuq + 1% + fp16 sink"].sinks == 1
+        assert specs["int"].sinks == specs["nuq + 1% outliers"].sinks == 0
+        assert specs["nuq + 1% + fp16 sink"].outliers == 1.0
+    rows = {"int4": 0.12, "nuq3:o1": 0.4, "int2": 14.5, "nuq2:o1": 8.1, "nuq2:o1:s1": 1.2, "int2:s1": 7.0}
+    checks = {c["claim"]: c for c in ppl.ablation_checks({k: {"delta_vs_full": v} for k, v in rows.items()})}
+    assert not checks["nuq3:o1 delta <= int4 delta"]["holds"]
+    assert not checks["nuq2:o1 delta <= 20% of int2 delta"]["holds"]
+    assert checks["nuq2:o1:s1 delta <= 20% of int2 delta"]["holds"]
+    assert checks["nuq2:o1:s1 delta <= 20% of int2:s1 delta"]["holds"]
+    assert checks["nuq2:o1:s1 delta <= 20% of int2:s1 delta"]["values"] == [1.2, 7.0]
+    assert ppl.ablation_checks({"int4": {"delta_vs_full": 0.1}}) == []  # a claim needs both of its figures

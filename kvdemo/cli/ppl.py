@@ -11,7 +11,7 @@ from ..ppl import run_ablation, run_ppl
 from ..precision import parse_precision_list
 
 # the memory and decode-speed rows of the ablation report (issue 17's acceptance)
-ABLATION_MEMORY = ("int4", "nuq4:o1", "nuq3:o1", "nuq2:o1", "int3", "nvfp4")
+ABLATION_MEMORY = ("int4", "nuq4:o1", "nuq3:o1", "nuq2:o1", "nuq2:o1:s1", "int3", "nvfp4")
 ABLATION_SPEED = ("int4", "nuq4:o1", "nuq4", "int4:hadamard", "nvfp4")
 
 

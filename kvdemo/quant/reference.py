@@ -324,18 +324,22 @@ def code_values(q: QuantizedTensor) -> torch.Tensor:
 def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`code_values` in the order the lookup leaves them: (values fp32 [B, H, T, D], order [D] or None) with
     values[..., j] the value of channel order[j] (None: channel order). Codebook formats at 2 and 4 bits are
-    looked up a byte at a time (`index_select` of a [256, P] table, the fastest gather on CPU), which leaves
-    a byte's P channels side by side; callers that can permute the query (or the output) instead skip the copy."""
+    looked up a byte at a time: a 256-entry table whose entry holds the byte's P levels as fp16 bit patterns in
+    one int32 / int64 word (the levels are fp16, so exactly), gathered with a 1-D `index_select` (about 3x
+    faster on CPU than gathering rows of a [256, P] float table). That leaves a byte's P channels side by
+    side; callers that can permute the query (or the output) instead skip the copy."""
     if q.fmt == "nvfp4" or q.levels is not None:
         table = _E2M1_SIGNED.to(q.codes.device) if q.fmt == "nvfp4" else q.levels.float()
         bits = code_bits(q.fmt)
         if bits in (2, 4):
             per_byte = 8 // bits
             byte = torch.arange(256, device=table.device)
-            pairs = torch.stack([table[(byte >> (bits * p)) & ((1 << bits) - 1)] for p in range(per_byte)], -1)
+            levels = torch.stack([table[(byte >> (bits * p)) & ((1 << bits) - 1)] for p in range(per_byte)], -1)
+            word = levels if per_byte == 2 else levels.half()  # 4 bits: 2 fp32 levels; 2 bits: 4 fp16 levels
+            words = word.contiguous().view(torch.int64).view(256)
             *lead, width = q.codes.shape
-            vals = pairs.index_select(0, q.codes.reshape(-1).long()).view(*lead, width * per_byte)
-            return vals, _byte_order(width, per_byte, q.codes.device)
+            vals = words.index_select(0, q.codes.reshape(-1).long()).view(word.dtype).float()
+            return vals.view(*lead, width * per_byte), _byte_order(width, per_byte, q.codes.device)
         codes = unpack(q.codes, bits)
         return table.index_select(0, codes.view(-1).long()).view(codes.shape), None
     return codes_to_float(q.codes, q.fmt), None
