@@ -37,16 +37,23 @@ from triton.compiler import ASTSource  # noqa: E402
 from kvdemo.quant import triton_kernels as tk  # noqa: E402
 
 STRIDE = re.compile(r"^s[a-z]*_[bhtd]$")  # stride arguments: sx_t, skc_h, ...
-U8 = {"codes_ptr", "kc_ptr", "vc_ptr"}
-FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr"}
+U8 = {"codes_ptr", "kc_ptr", "vc_ptr", "koi_ptr", "voi_ptr"}
+FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr", "qr_ptr", "kts_ptr", "vts_ptr", "cos_ptr", "sin_ptr"}
 MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # other pointers: fp16 scales
+# strides that are not multiples of 16 in a real cache: sparse outliers' rows (cap entries), nvfp4 tensor scales
+UNALIGNED = {"skod_t", "skoi_t", "svod_t", "svoi_t", "skts_b", "skts_h", "svts_b", "svts_h"}
 FORMATS = {"int8": (8, 0), "int4": (4, 0), "int2": (2, 0), "fp8_e4m3": (8, 1), "fp8_e5m2": (8, 2)}
 
 
-def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict, dict]:
+def signature(fn, constexprs: dict, half: str = "fp16", pointers: dict | None = None) -> tuple[dict, dict, dict]:
     """(signature, attrs, constexprs) of a kernel's arguments, specialized as the JIT does for real cache
-    tensors; `half` is the model's dtype (queries, full-precision keys/values, quantizer input)."""
+    tensors; `half` is the model's dtype (queries, full-precision keys/values, quantizer input); `pointers`:
+    pointer types that differ by variant (nvfp4's uint8 scales). Constexprs left out take
+    their defaults (the decode kernel's methods: off)."""
     sig, attrs, constexprs = {}, {}, dict(constexprs)
+    for param in fn.params:
+        if param.is_constexpr and param.has_default:
+            constexprs.setdefault(param.name, param.default)
     for i, name in enumerate(fn.arg_names):
         if STRIDE.match(name) and name.endswith("_d"):  # a contiguous last dim: the JIT specializes 1
             constexprs[name] = 1
@@ -54,12 +61,12 @@ def signature(fn, constexprs: dict, half: str = "fp16") -> tuple[dict, dict, dic
             sig[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            sig[name] = (
+            sig[name] = (pointers or {}).get(name) or (
                 "*u8" if name in U8 else "*fp32" if name in FP32 else f"*{half}" if name in MODEL_DTYPE else "*fp16"
             )
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
-        if name.endswith("_ptr") or STRIDE.match(name):
+        if name.endswith("_ptr") or (STRIDE.match(name) and name not in UNALIGNED):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs, constexprs
 
@@ -117,10 +124,16 @@ def main_loop(sass: str) -> dict:
 
 
 def compile_one(
-    fn, constexprs: dict, arch: int, num_warps: int = 4, num_stages: int = tk.NUM_STAGES, half: str = "fp16"
+    fn,
+    constexprs: dict,
+    arch: int,
+    num_warps: int = 4,
+    num_stages: int = tk.NUM_STAGES,
+    half: str = "fp16",
+    pointers: dict | None = None,
 ) -> dict:
     """Compile one variant for sm_<arch>; its compile time, shared memory, registers and spills."""
-    sig, attrs, constexprs = signature(fn, constexprs, half)
+    sig, attrs, constexprs = signature(fn, constexprs, half, pointers)
     started = time.perf_counter()
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(
@@ -203,7 +216,67 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                     )
     for half in ("bf16", "fp32"):
         rows.append(rows[0] | {"half": half, "format": rows[0]["format"] + f" ({half} query and residual)"})
+    rows += method_variants(quick, cc)
     rows.append({"kernel": "merge", "format": "-", "axis": "-", "head_dim": 128, "consts": {"BLOCK_M": 16, "D": 128}})
+    return rows
+
+
+# the methods beyond uniform codes (kvdemo/precision.py) the decode kernel reads: (label, key format, value
+# format, key axis, extra constexprs, pointer types). Codebooks are fp16 (as the cache stores them);
+# o<cap>: sparse outliers per row.
+METHODS = [
+    ("", "nuq4", "nuq4", "channel", {}, {}),
+    ("", "nuq3", "nuq3", "channel", {}, {}),
+    ("", "nuq2", "nuq2", "channel", {}, {}),
+    ("", "int3", "int3", "channel", {}, {}),
+    ("o2", "nuq3", "nuq3", "channel", {"K_OUTLIERS": 2, "V_OUTLIERS": 2}, {}),
+    ("o2", "int4", "int4", "channel", {"K_OUTLIERS": 2, "V_OUTLIERS": 2}, {}),
+    ("hadamard", "int4", "int4", "channel", {"K_ROTATED": True}, {}),
+    ("prerope", "int4", "int4", "channel", {"ROPE": True}, {}),
+    ("o2 prerope", "nuq4", "nuq4", "channel", {"K_OUTLIERS": 2, "V_OUTLIERS": 2, "ROPE": True}, {}),
+    ("", "nvfp4", "nvfp4", "token", {}, {"ks_ptr": "*u8", "vs_ptr": "*u8"}),
+    ("", "nuq3", "nuq3", "token", {}, {}),
+]
+METHOD_FORMATS = {"nuq4": (4, 1), "nuq3": (3, 1), "nuq2": (2, 1), "int3": (3, 0), "nvfp4": (4, 2)}  # bits, code
+
+
+def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
+    """The decode variants of `METHODS` at head_dim 64 and 128 (quick: 128), decode rows (block_m 16), with
+    the launch settings `past_attention` picks; marked "method" (the goal-point rows are plain codes)."""
+    rows = []
+    for head_dim in (128,) if quick else (64, 128):
+        for label, kf, vf, key_axis, extra, pointers in METHODS:
+            if key_axis == "token" and head_dim not in tk.TOKEN_KEY_HEAD_DIMS:
+                continue
+            (kb, kcode), (vb, vcode) = (METHOD_FORMATS.get(f) or (FORMATS[f][0], 0) for f in (kf, vf))
+            extra = dict(extra)
+            rope = extra.pop("ROPE", False)
+            method = "outliers" if "K_OUTLIERS" in extra else "codes" if rope or (kf, vf) != ("int4", "int4") else ""
+            block_n, warps = tk.launch_config(
+                head_dim, 16, cc, method + ("+rope" if method == "outliers" and rope else "")
+            )
+            consts = {
+                "D": head_dim,
+                "BLOCK_M": 16,
+                "BLOCK_N": block_n,
+                "K_BITS": kb,
+                "K_FP8": 0,
+                "K_CHANNEL": key_axis == "channel",
+                "K_GROUP": 128 if key_axis == "channel" else 16 if kf == "nvfp4" else head_dim,
+                "V_BITS": vb,
+                "V_FP8": 0,
+                "V_GROUP": 16 if vf == "nvfp4" else head_dim,
+                "PTX": True,
+                "FOLD_ONCE": tk.fold_once(head_dim, cc),
+                "K_CODE": kcode,
+                "V_CODE": vcode,
+                "K_ROPE": head_dim if rope else 0,
+            } | extra
+            fmt = f"k:{kf} v:{vf}" + (f" {label}" if label else "")
+            rows.append(
+                {"kernel": "decode", "format": fmt, "axis": key_axis, "head_dim": head_dim, "method": True}
+                | {"block_m": 16, "num_warps": warps, "consts": consts, "pointers": pointers}
+            )
     return rows
 
 
@@ -219,6 +292,7 @@ def is_goal_row(row: dict) -> bool:
     return (
         row["kernel"] == "decode"
         and "half" not in row
+        and "method" not in row
         and (row["head_dim"], row["block_m"], row["axis"]) == (128, 16, "channel")
     )
 
@@ -277,7 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         fn = getattr(tk, KERNELS[row["kernel"]])
         try:
-            row |= compile_one(fn, row["consts"], args.arch, row.get("num_warps", 4), half=row.get("half", "fp16"))
+            row |= compile_one(
+                fn,
+                row["consts"],
+                args.arch,
+                row.get("num_warps", 4),
+                half=row.get("half", "fp16"),
+                pointers=row.get("pointers"),
+            )
         except Exception as err:  # noqa: BLE001 - every failure is reported, then the exit code says so
             lines = str(err).strip().splitlines() or [""]
             row["error"] = f"{type(err).__name__}: {lines[-1][:300]}"
@@ -309,6 +390,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{f['sdpa_memory_ms']:.3f} ms -> speedup at most {f['ceiling']:.2f}x"
             )
     print(f"  goals: int4 >= {GOALS['int4_speedup_64k_b8']}x, int8 >= {GOALS['int8_speedup_64k_b8']}x")
+    print("\nDecode loop of the methods beyond uniform codes (decode rows):")
+    for row in rows:
+        if "method" in row and "error" not in row:
+            row["issue_per_token"] = round(issue_per_token(row), 1)
+            print(
+                f"  {row['format']:<28} {row['axis']:>7} d{row['head_dim']:<3} regs {row['registers']:>3}  "
+                f"spill stores {row['spill_stores']:>3}  {row['issue_per_token']:5.1f} warp instructions per token"
+            )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"triton": triton.__version__, "arch": args.arch, "rows": rows}, indent=2)

@@ -155,7 +155,7 @@ def _bool_mask(attention_mask):
 
 def long_past_attention(query, packed, scaling, mask=None, softcap=None, window=None):
     """(out, lse) of many queries (a prefill chunk) over a layer's packed past, in memory bounded by the
-    chunk, never by the past: on CUDA the Triton decode kernel over tiles of queries (MAX_BLOCK_M rows per
+    chunk, never by the past: on CUDA the Triton decode kernel over tiles of queries (`max_block_m` rows per
     launch); elsewhere, and for masks, softcaps and sliding windows that cut the past, the streamed
     PyTorch reference (online softmax over pieces of the past)."""
     b, hq, n, d = query.shape
@@ -163,7 +163,7 @@ def long_past_attention(query, packed, scaling, mask=None, softcap=None, window=
     if backend_for(query.device) == "triton" and mask is None and softcap is None and not window_cuts:
         from .quant import triton_kernels
 
-        tile = max(1, triton_kernels.MAX_BLOCK_M.get(d, 16) // (hq // packed.kv_heads))  # queries per launch
+        tile = max(1, triton_kernels.max_block_m(d, packed) // (hq // packed.kv_heads))  # queries per launch
         kv = fp16_clamped(packed)
         parts = [triton_kernels.past_attention(query[:, :, i : i + tile], kv, scaling) for i in range(0, n, tile)]
         return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)

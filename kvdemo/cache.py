@@ -174,7 +174,7 @@ class _Growable:
 class Method:
     """How one part (keys or values) is coded beyond its format: `reference.quantize`'s keywords."""
 
-    levels: torch.Tensor | None = None  # nuq codebook
+    levels: torch.Tensor | None = None  # nuq codebook: fp16 levels in [-1, 1]
     outliers: float = 0.0  # percent kept as sparse corrections
     rotation: torch.Tensor | None = None  # Hadamard [D, D]
     rope: object = None  # rotations.Rope (pre-RoPE keys)

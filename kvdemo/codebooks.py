@@ -217,12 +217,13 @@ class Codebooks:
         return bool(self.tensors)
 
     def levels(self, layer: int, part: str, spec: PrecisionSpec) -> torch.Tensor:
-        """fp32 levels for `part` of `layer` under `spec` (fitted if present, else NormalFloat)."""
+        """fp16 levels for `part` of `layer` under `spec` (fitted if present, else NormalFloat rounded to fp16): the
+        quantizer picks codes with the very levels the cache stores and the kernels read."""
         fmt = spec.key_format if part == "key" else spec.value_format
         b = CODE_BITS[fmt]
         name = tensor_name(layer, part, b, spec.outliers > 0, spec.pre_rope and part == "key")
         found = self.tensors.get(name)
-        return normal_float(b) if found is None else found.float()
+        return (normal_float(b) if found is None else found).half()
 
     def save(self, path: Path) -> Path:
         from safetensors.torch import save_file

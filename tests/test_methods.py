@@ -552,19 +552,18 @@ def test_codebooks_save_load_round_trip_and_fallback(tmp_path):
         assert loaded.tensors[name].dtype == torch.float16 and torch.equal(loaded.tensors[name], t), name
     assert loaded.metadata == books.metadata
     nuq2 = parse_precision("nuq2")
-    assert torch.equal(loaded.levels(0, "key", nuq2), fitted.float())
-    assert torch.equal(loaded.levels(0, "value", nuq2), normal_float(2))  # missing: NormalFloat
-    assert torch.equal(loaded.levels(1, "key", nuq2), normal_float(2))
-    assert torch.equal(loaded.levels(0, "key", parse_precision("nuq2:o1")), normal_float(2))  # no plain `.o` key
-    assert torch.equal(loaded.levels(0, "key", parse_precision("nuq2:o1:prerope")), -fitted.flip(0).float())
-    assert torch.equal(
-        loaded.levels(0, "value", parse_precision("nuq2:o1:prerope")), normal_float(2)
-    )  # values: no RoPE
+    nf2 = normal_float(2).half()  # levels are fp16, as stored and read by the kernels
+    assert torch.equal(loaded.levels(0, "key", nuq2), fitted.half())
+    assert torch.equal(loaded.levels(0, "value", nuq2), nf2)  # missing: NormalFloat
+    assert torch.equal(loaded.levels(1, "key", nuq2), nf2)
+    assert torch.equal(loaded.levels(0, "key", parse_precision("nuq2:o1")), nf2)  # no plain `.o` key
+    assert torch.equal(loaded.levels(0, "key", parse_precision("nuq2:o1:prerope")), -fitted.flip(0).half())
+    assert torch.equal(loaded.levels(0, "value", parse_precision("nuq2:o1:prerope")), nf2)  # values: no RoPE
     # a cache takes its levels from the codebooks, layer by layer
     cache = QuantizedKVCache("nuq2", num_layers=2, codebooks=loaded)
     cache.update(_randn(B, H, 300, D), _randn(B, H, 300, D, seed=1), 0)
     assert torch.equal(cache.layers[0].packed().keys.quantized.levels, fitted)
-    assert torch.equal(cache.layers[1].keys.method.levels, normal_float(2))
+    assert torch.equal(cache.layers[1].keys.method.levels, nf2)
     assert not Codebooks.normal_float().fitted
 
 

@@ -302,3 +302,20 @@ def test_methods_tables_are_the_ablation_report():
     for check in report["checks"]:
         verdict = "holds" if check["holds"] else "does not hold"
         assert f"{check['claim']}: {verdict}" in README
+
+
+def test_methods_passkey_table_is_the_needle_report():
+    """The methods section's passkey grid (issue 17: nuq2:o1 against int2, with and without the fp16 sink)."""
+    report = _report("needle_passkey.json")
+    assert report["kind"] == "passkey" and report["provenance"]["command"] in README
+    at, rows = _table(["precision", "passkey found", "mean log p", "vs full", "agree with full"])
+    _says_date(at, report["provenance"]["date"][:10])
+    summary = {s["precision"]: s for s in report["summary"]}
+    assert [cells[0] for cells in rows] == [s["precision"] for s in report["summary"]]
+    for precision, found, logp, change, agree in rows:
+        s = summary[precision]
+        assert _fraction(found) == (s["correct"], s["cells"]) and _printed(logp, s["mean_answer_logprob"])
+        if precision == "full":
+            assert change == agree == ""
+        else:
+            assert _printed(change, s["mean_logprob_change"]) and _fraction(agree) == (s["agree_with_full"], s["cells"])

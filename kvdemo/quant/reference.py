@@ -200,7 +200,7 @@ def quantize(
             if levels is None or levels.numel() != 1 << CODE_BITS[fmt]:
                 raise ValueError(f"{fmt} needs a codebook of {1 << CODE_BITS[fmt]} levels")
             scale, zero = _nuq_scale(lo, hi, axis)
-            lv = levels.to(xf.device).float()
+            lv = levels.to(xf.device).half().float()  # the fp16 levels stored and read back
             norm = (g - (0.0 if zero is None else zero)) / scale
             codes = torch.bucketize(norm.clamp_(-1, 1), (lv[1:] + lv[:-1]) / 2).to(torch.uint8)
         else:
@@ -335,7 +335,7 @@ def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             per_byte = 8 // bits
             byte = torch.arange(256, device=table.device)
             levels = torch.stack([table[(byte >> (bits * p)) & ((1 << bits) - 1)] for p in range(per_byte)], -1)
-            word = levels if per_byte == 2 else levels.half()  # 4 bits: 2 fp32 levels; 2 bits: 4 fp16 levels
+            word = levels if per_byte == 2 else levels.half()  # 4 bits: 2 fp32 levels; 2 bits: 4 fp16 levels (exact)
             words = word.contiguous().view(torch.int64).view(256)
             *lead, width = q.codes.shape
             vals = words.index_select(0, q.codes.reshape(-1).long()).view(word.dtype).float()

@@ -24,6 +24,18 @@ Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its
   operands are split into fp16 hi + lo halves (queries always; keys stored in fp32 or dequantized per
   token too); the weights and the dequantized values of the second dot are fp16, as in
   FlashAttention (2^-11 relative each).
+  The methods beyond uniform codes (reference docstring) are read from their packed storage too, each
+  behind a constexpr flag of the kernel (off: the plain variants compile to the code they had before):
+  nuq codebooks (fp16 levels picked in registers by a select tree over the code's bits; the key fold
+  above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes),
+  nvfp4 (E2M1 codes, E4M3 scales times the block's fp32 tensor scale, keys per token), sparse outliers
+  (a row's corrections expanded into a dense fp16 tile: one more dot for keys, added to the values),
+  a Hadamard rotation (on the query side: the codes see q @ R, the quantized splits' partial outputs
+  are turned back by R.T before the merge; the lse is unchanged) and pre-RoPE keys (the tile is
+  dequantized in fp32 and turned by RoPE from the fp32 cos/sin rows of its positions, then dotted as
+  per-token keys are). `supports_attention` says what the kernel reads; the rest (more than
+  MAX_OUTLIERS corrections per row, a rotary dim that is not a power of two dividing head_dim, the
+  methods at head_dim 256 or beyond 16 query rows at head_dim 128) goes to the reference.
 
 Tensors are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Head dims are
 powers of two from 16 to 256 (`supports_*` say so; the dispatcher in `kvdemo.quant` sends
@@ -38,6 +50,7 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), FlashAttention-
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import torch
 import triton
@@ -47,6 +60,8 @@ from . import interpreting, reference
 from .reference import FP16_MAX, INT_BITS, MIN_SCALE, QuantizedTensor
 
 FP8_CODE = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # constexpr ids of the fp8 formats (0 = integer format)
+DECODE_FORMATS = (*INT_BITS, *FP8_CODE, "int3", "nuq4", "nuq3", "nuq2", "nvfp4")  # what the decode kernel reads
+MAX_OUTLIERS = 4  # sparse corrections per row the decode kernel expands (each a compare-and-select per tile)
 QUANT_TILE = 4096  # elements per quantize program (registers: ~32 fp32 values per thread at 4 warps)
 MAX_BLOCK_N = 128  # most tokens per attention tile (tiles of per-channel keys stay inside one key group)
 LOG2E = 1.4426950408889634
@@ -131,21 +146,43 @@ def supports_quantize(fmt: str, head_dim: int) -> bool:
     return (fmt in INT_BITS or fmt in FP8_CODE) and _pow2(head_dim) and 16 <= head_dim <= 256
 
 
+def _code_kind(q: QuantizedTensor) -> int:
+    """The decode kernel's K_CODE / V_CODE of a stored part: 0 integer or fp8 codes, 1 nuq levels, 2 nvfp4."""
+    return 2 if q.fmt == "nvfp4" else 1 if q.levels is not None else 0
+
+
+def _decodes(q: QuantizedTensor, d: int, keys: bool) -> bool:
+    """Whether the decode kernel reads this stored part: its format, its methods (outliers up to
+    MAX_OUTLIERS per row, a rotation, pre-RoPE keys with a rotary dim that is a power of two dividing d)."""
+    if q.fmt not in DECODE_FORMATS or (q.levels is not None) != q.fmt.startswith("nuq"):
+        return False
+    if q.outlier_index is not None and q.outlier_index.shape[-1] > MAX_OUTLIERS:
+        return False
+    if q.rope is not None:
+        if not keys or q.rotation is not None:  # values are never pre-RoPE; RoPE would need the unrotated keys
+            return False
+        rotary = q.rope.tables(q.start, q.start + 1, q.codes.device)[0].shape[-1]
+        return rotary >= 2 and _pow2(rotary) and d % rotary == 0
+    return True
+
+
 def supports_attention(query: torch.Tensor, kv) -> bool:
-    """Shapes the decode kernel handles: head_dim a power of two in [16, 256], query rows per kv head (GQA
-    group x queries) up to MAX_BLOCK_M, per-token keys at TOKEN_KEY_HEAD_DIMS."""
+    """Shapes and stored formats the decode kernel handles: head_dim a power of two in [16, 256], query rows
+    per kv head (GQA group x queries) up to MAX_BLOCK_M, per-token keys at TOKEN_KEY_HEAD_DIMS, codes of
+    DECODE_FORMATS with the methods `_decodes` accepts."""
     b, hq, n, d = query.shape
     hkv, spec = kv.kv_heads, kv.spec
-    fmts_ok = not kv.regions.has_codes or (
-        supports_quantize(spec.key_format, d)
-        and supports_quantize(spec.value_format, d)
-        and not (spec.outliers or spec.pre_rope or spec.hadamard)  # issue 17's methods: reference only, for now
-    )
+    fmts_ok = True
+    if kv.regions.has_codes:
+        keys, values = kv.keys.quantized, kv.values.quantized
+        fmts_ok = _decodes(keys, d, True) and _decodes(values, d, False) and keys.start == values.start
     if not (fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0):
         return False
     if kv.regions.has_codes and spec.key_axis == "token" and d not in TOKEN_KEY_HEAD_DIMS:
         return False
-    return _block_m((hq // hkv) * n) <= MAX_BLOCK_M[d]
+    if d > 128 and method_kind(kv):  # the methods' tiles spill registers at head_dim 256
+        return False
+    return _block_m((hq // hkv) * n) <= max_block_m(d, kv)
 
 
 def _block_m(rows: int) -> int:
@@ -245,14 +282,129 @@ def _unpack(byte, BITS: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _dequantize_rows(code, scale, zero, GROUP: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+def _dequantize_rows(
+    code, scale, zero, GROUP: tl.constexpr, ZERO: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
+):
     """codes [BN, D] fp16, per-row groups of GROUP channels: scale, zero [BN, D / GROUP] -> [BN, D] in
-    the dtype of scale (fp16 for values, the dot's operand; fp32 for per-token keys, see _dot_f32)."""
+    the dtype of scale (fp16 for values, the dot's operand; fp32 for per-token keys, see _dot_f32).
+    ZERO: the format has zero points (integer codes; nuq keys per channel), else `zero` is not read."""
     c = tl.reshape(code, (BLOCK_N, D // GROUP, GROUP)).to(scale.dtype)
     x = c * scale[:, :, None]
-    if FP8 == 0:
+    if ZERO:
         x += zero[:, :, None]
     return tl.reshape(x, (BLOCK_N, D))
+
+
+@triton.jit
+def _pick4(c, levels_ptr, FIRST: tl.constexpr):
+    """levels[FIRST + (c & 3)] for int32 codes c, fp16: two bits, three selects on scalar levels (registers)."""
+    b0 = (c & 1) != 0
+    low = tl.where(b0, tl.load(levels_ptr + FIRST + 1), tl.load(levels_ptr + FIRST))
+    high = tl.where(b0, tl.load(levels_ptr + FIRST + 3), tl.load(levels_ptr + FIRST + 2))
+    return tl.where((c & 2) != 0, high, low)
+
+
+@triton.jit
+def _code_value(c, CODE: tl.constexpr, BITS: tl.constexpr, levels_ptr):
+    """int32 codes c (< 2^BITS) -> their values before scaling, exactly: fp16, or the codebook's dtype.
+    CODE 0: the integer itself (int3); 1: nuq's codebook entry levels[c], by a select tree over the code's
+    bits on scalar levels (registers; depth-first, so few values are live at once); 2: E2M1 (nvfp4): sign
+    bit 3, magnitude bits 0-2 moved into fp16's exponent and mantissa fields are the value times 2^-14."""
+    if CODE == 1:
+        if BITS == 2:
+            x = _pick4(c, levels_ptr, 0)
+        elif BITS == 3:
+            x = tl.where((c & 4) != 0, _pick4(c, levels_ptr, 4), _pick4(c, levels_ptr, 0))
+        else:
+            x07 = tl.where((c & 4) != 0, _pick4(c, levels_ptr, 4), _pick4(c, levels_ptr, 0))
+            x8f = tl.where((c & 4) != 0, _pick4(c, levels_ptr, 12), _pick4(c, levels_ptr, 8))
+            x = tl.where((c & 8) != 0, x8f, x07)
+    elif CODE == 2:
+        x = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True) * 16384.0
+    else:
+        x = (c | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True) - 1024.0
+    return x
+
+
+@triton.jit
+def _unpack_values(
+    row_ptrs, valid, BITS: tl.constexpr, CODE: tl.constexpr, levels_ptr, BLOCK_N: tl.constexpr, D: tl.constexpr
+):
+    """Packed rows of 2-, 3- or 4-bit codes (row_ptrs [BN, 1]: each row's first byte; invalid rows read as
+    code 0) -> code values [BN, D] (`_code_value`): codebook levels (the codebook's dtype), E2M1 values or
+    int3 integers (fp16).
+
+    2 and 4 bits: planar like `_unpack`. 3 bits: bit-sliced, three planes of D/8 bytes with plane j holding
+    bit j; byte column i of a plane holds channels p * D/8 + i at bit p (p = 0..7)."""
+    if BITS == 3:
+        DP: tl.constexpr = D // 8
+        cols = tl.arange(0, DP)[None, :]
+        w = tl.load(row_ptrs + cols, mask=valid[:, None], other=0).to(tl.int32)
+        w |= tl.load(row_ptrs + DP + cols, mask=valid[:, None], other=0).to(tl.int32) << 8
+        w |= tl.load(row_ptrs + 2 * DP + cols, mask=valid[:, None], other=0).to(tl.int32) << 16
+        # field p: bit p of each plane (bits p, 8 + p, 16 + p of w) -> code bits 0, 1, 2
+        v0 = _code_value((w & 1) | ((w >> 7) & 2) | ((w >> 14) & 4), CODE, BITS, levels_ptr)
+        v1 = _code_value(((w >> 1) & 1) | ((w >> 8) & 2) | ((w >> 15) & 4), CODE, BITS, levels_ptr)
+        v2 = _code_value(((w >> 2) & 1) | ((w >> 9) & 2) | ((w >> 16) & 4), CODE, BITS, levels_ptr)
+        v3 = _code_value(((w >> 3) & 1) | ((w >> 10) & 2) | ((w >> 17) & 4), CODE, BITS, levels_ptr)
+        low = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, DP, 2 (p % 2), 2 (p // 2 % 2)]
+        v4 = _code_value(((w >> 4) & 1) | ((w >> 11) & 2) | ((w >> 18) & 4), CODE, BITS, levels_ptr)
+        v5 = _code_value(((w >> 5) & 1) | ((w >> 12) & 2) | ((w >> 19) & 4), CODE, BITS, levels_ptr)
+        v6 = _code_value(((w >> 6) & 1) | ((w >> 13) & 2) | ((w >> 20) & 4), CODE, BITS, levels_ptr)
+        v7 = _code_value(((w >> 7) & 1) | ((w >> 14) & 2) | ((w >> 21) & 4), CODE, BITS, levels_ptr)
+        planes = tl.join(low, tl.join(tl.join(v4, v5), tl.join(v6, v7)))  # [BN, DP, 2, 2, 2 (p // 4)]
+        codes = tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (BLOCK_N, D))
+    else:
+        DP: tl.constexpr = D * BITS // 8
+        b = tl.load(row_ptrs + tl.arange(0, DP)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        if BITS == 4:
+            planes = tl.join(_code_value(b & 15, CODE, BITS, levels_ptr), _code_value(b >> 4, CODE, BITS, levels_ptr))
+            codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))  # [BN, DP, 2 (p)] -> channel p * DP + j
+        else:
+            c0 = _code_value(b & 3, CODE, BITS, levels_ptr)
+            c1 = _code_value((b >> 2) & 3, CODE, BITS, levels_ptr)
+            c2 = _code_value((b >> 4) & 3, CODE, BITS, levels_ptr)
+            c3 = _code_value(b >> 6, CODE, BITS, levels_ptr)
+            planes = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [BN, DP, 2 (p % 2), 2 (p // 2)]
+            codes = tl.reshape(tl.permute(planes, (0, 3, 2, 1)), (BLOCK_N, D))
+    return codes
+
+
+@triton.jit
+def _outlier_tile(
+    delta_base, index_base, sd_t, si_t, pos, valid, CAP: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr
+):
+    """Sparse corrections of rows pos (CAP per row: fp16 delta at uint8 channel index, distinct channels) as
+    a dense tile [BN, D] fp16 (the deltas exactly), zero elsewhere and on invalid rows."""
+    offs_d = tl.arange(0, D)
+    corr = tl.zeros([BLOCK_N, D], dtype=tl.float16)
+    for j in tl.static_range(CAP):
+        idx = tl.load(index_base + pos * si_t + j, mask=valid, other=0).to(tl.int32)  # [BN]
+        delta = tl.load(delta_base + pos * sd_t + j, mask=valid, other=0.0).to(tl.float16)
+        corr = tl.where(offs_d[None, :] == idx[:, None], delta[:, None], corr)
+    return corr
+
+
+@triton.jit
+def _nvfp4_scales(s_base, ts_base, s_t, pos, valid, row0, ts_block, NG: tl.constexpr):
+    """nvfp4 group scales of rows pos, fp32 [BN, NG]: the E4M3 byte per 16 channels times the row's block
+    tensor scale (row0: absolute position of code row 0; blocks of ts_block positions counted from row0's),
+    the same fp32 product as reference.group_scale."""
+    byte = tl.load(s_base + pos[:, None] * s_t + tl.arange(0, NG)[None, :], mask=valid[:, None], other=0)
+    ts = tl.load(ts_base + (row0 + pos) // ts_block - row0 // ts_block, mask=valid, other=0.0)  # [BN] fp32
+    return _fp8_decode(byte.to(tl.int32), 1).to(tl.float32) * _FP8_UNIT * ts[:, None]
+
+
+@triton.jit
+def _rope_rows(k, cos, sin, BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE_DIM: tl.constexpr):
+    """RoPE (rotate-half layout) on key rows k [BN, D] fp32 with their cos/sin [BN, D] fp32: k * cos +
+    rotate_half(k) * sin, rotate_half within each run of ROPE_DIM channels (partial rotary: channels past
+    ROPE_DIM come with cos 1, sin 0, so they pass through)."""
+    HALF: tl.constexpr = ROPE_DIM // 2
+    x = tl.permute(tl.reshape(k, (BLOCK_N, D // ROPE_DIM, 2, HALF)), (0, 1, 3, 2))  # [BN, D/RD, HALF, 2]
+    first, second = tl.split(x)
+    turned = tl.permute(tl.join(-second, first), (0, 1, 3, 2))  # [BN, D/RD, 2, HALF]: (-x2, x1)
+    return k * cos + tl.reshape(turned, (BLOCK_N, D)) * sin
 
 
 @triton.jit
@@ -559,6 +711,37 @@ def _decode_split_kernel(
     svz_b,
     svz_h,
     svz_t,
+    qr_ptr,
+    klv_ptr,
+    vlv_ptr,
+    kts_ptr,
+    skts_b,
+    skts_h,
+    vts_ptr,
+    svts_b,
+    svts_h,
+    row0,
+    kts_block,
+    vts_block,
+    kod_ptr,
+    skod_b,
+    skod_h,
+    skod_t,
+    koi_ptr,
+    skoi_b,
+    skoi_h,
+    skoi_t,
+    vod_ptr,
+    svod_b,
+    svod_h,
+    svod_t,
+    voi_ptr,
+    svoi_b,
+    svoi_h,
+    svoi_t,
+    cos_ptr,
+    sin_ptr,
+    scs_t,
     o_part_ptr,
     lse_part_ptr,
     HKV,
@@ -583,12 +766,27 @@ def _decode_split_kernel(
     V_GROUP: tl.constexpr,
     PTX: tl.constexpr,
     FOLD_ONCE: tl.constexpr,
+    K_CODE: tl.constexpr = 0,
+    V_CODE: tl.constexpr = 0,
+    K_OUTLIERS: tl.constexpr = 0,
+    V_OUTLIERS: tl.constexpr = 0,
+    K_ROTATED: tl.constexpr = False,
+    K_ROPE: tl.constexpr = 0,
 ):
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
     split < num_splits: quantized tiles [split * tiles_per_split, ...) of positions [S, Q);
     split = num_splits + f: residual rows [f * tiles_per_split * BLOCK_N, ...), and for f = 0 also the
     sinks [0, S). Writes o (normalized) and lse of its slot; `parts` slots per (batch, kv head).
+
+    The methods beyond uniform codes (defaults: off, the plain variants compile as without them):
+    K_CODE / V_CODE 0: integer or fp8 codes (K_BITS 3: bit-sliced int3), 1: nuq codebook levels
+    (klv_ptr / vlv_ptr, fp16 [2^bits]), 2: nvfp4 (E2M1 codes, uint8 E4M3 scales, fp32 tensor scales
+    kts_ptr / vts_ptr [B, H, blocks] of kts_block / vts_block positions from row0);
+    K_OUTLIERS / V_OUTLIERS: sparse corrections per row (fp16 delta kod/vod, uint8 channel koi/voi
+    [B, H, rows, cap]); K_ROTATED: the codes see the query qr_ptr (fp32 q @ R, the layout of q; values'
+    rotation is undone on the partial outputs by the caller); K_ROPE: rotary dim of pre-RoPE keys, turned
+    by cos/sin fp32 [rows, K_ROPE] (row stride scs_t) after dequantizing the tile.
     """
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -600,8 +798,8 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, D)
     row_ok = offs_m < M
     head = h * grp + offs_m // N_Q  # query head of row m (rows = head in group, query index)
-    q_ptrs = q_ptr + b * sq_b + head[:, None] * sq_h + (offs_m % N_Q)[:, None] * sq_t + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale  # [BM, D], log2 domain
+    q_offs = b * sq_b + head[:, None] * sq_h + (offs_m % N_Q)[:, None] * sq_t + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale  # [BM, D], log2 domain
     q_hi, q_lo = _hi_lo(q)  # the dots' fp16 halves, for full-precision and per-token keys
 
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -647,12 +845,19 @@ def _decode_split_kernel(
         VDP: tl.constexpr = D * V_BITS // 8
         KNG: tl.constexpr = 1 if K_CHANNEL else D // K_GROUP
         VNG: tl.constexpr = D // V_GROUP
+        K_PACKED: tl.constexpr = K_CODE == 0 and K_BITS != 3  # the codes `_unpack` reads (uniform int, fp8)
+        V_PACKED: tl.constexpr = V_CODE == 0 and V_BITS != 3
+        K_ZERO: tl.constexpr = K_FP8 == 0 and (K_CODE == 0 or (K_CODE == 1 and K_CHANNEL))  # zero points stored
+        V_ZERO: tl.constexpr = V_FP8 == 0 and V_CODE == 0
         kc_base = kc_ptr + b * skc_b + h * skc_h
         ks_base = ks_ptr + b * sks_b + h * sks_h
         kz_base = kz_ptr + b * skz_b + h * skz_h
         vc_base = vc_ptr + b * svc_b + h * svc_h
         vs_base = vs_ptr + b * svs_b + h * svs_h
         vz_base = vz_ptr + b * svz_b + h * svz_h
+        if K_ROTATED:  # Hadamard: q . k = (q R) . (k R), the codes' space; sinks and residual keep q
+            q = tl.load(qr_ptr + q_offs, mask=row_ok[:, None], other=0.0) * qk_scale
+            q_hi, q_lo = _hi_lo(q)
         n_tiles = tl.cdiv(Q, BLOCK_N)
         t_begin = pid_s * tiles_per_split
         t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
@@ -666,39 +871,112 @@ def _decode_split_kernel(
             start = tile * BLOCK_N
             pos = start + offs_n  # [BN] absolute positions (int32, see _full_segment); rows [0, S) are dummies
             valid = (pos >= S) & (pos < Q)
-            kbyte = tl.load(kc_base + pos[:, None] * skc_t + tl.arange(0, KDP)[None, :], mask=valid[:, None], other=0)
-            kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D, PTX)  # [BN, D] fp16
-            if K_CHANNEL:
+            if K_PACKED:
+                kbyte = tl.load(
+                    kc_base + pos[:, None] * skc_t + tl.arange(0, KDP)[None, :], mask=valid[:, None], other=0
+                )
+                kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D, PTX)  # [BN, D] fp16
+            else:
+                kcode = _unpack_values(kc_base + pos[:, None] * skc_t, valid, K_BITS, K_CODE, klv_ptr, BLOCK_N, D)
+            if K_CHANNEL and K_ROPE == 0:
                 if (not FOLD_ONCE) or (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block
                     blk = start // K_GROUP
                     ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
                     if K_FP8 != 0:
                         ks = ks * _FP8_UNIT
                     qs_hi, qs_lo = _hi_lo(q * ks[None, :])
-                    if K_FP8 == 0:
+                    if K_ZERO:
                         kz = tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)
                         qz = tl.sum(q * kz[None, :], 1)
                 s = _dot_hi_lo(qs_hi, qs_lo, tl.trans(kcode)) + qz[:, None]  # [BM, BN]
-            else:  # per-token key groups: dequantize the tile in registers
-                kg = tl.arange(0, KNG)[None, :]
-                ks = tl.load(ks_base + pos[:, None] * sks_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
-                kz = ks
-                if K_FP8 == 0:
-                    kz = tl.load(kz_base + pos[:, None] * skz_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
+                if K_OUTLIERS > 0:  # + sum_j q[idx_tj] delta_tj, the fp16 deltas exact in a dense tile
+                    kcorr = _outlier_tile(
+                        kod_ptr + b * skod_b + h * skod_h,
+                        koi_ptr + b * skoi_b + h * skoi_h,
+                        skod_t,
+                        skoi_t,
+                        pos,
+                        valid,
+                        K_OUTLIERS,
+                        BLOCK_N,
+                        D,
+                    )
+                    s += _dot_hi_lo(q_hi, q_lo, tl.trans(kcorr))
+            else:  # dequantize the tile in registers (fp32): per-token keys, or pre-RoPE keys to turn
+                if K_CHANNEL:
+                    blk = start // K_GROUP
+                    ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
+                    k = kcode.to(tl.float32) * ks[None, :]
+                    if K_ZERO:
+                        k += tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)[None, :]
                 else:
-                    ks = ks * _FP8_UNIT
-                k = _dequantize_rows(kcode, ks, kz, K_GROUP, K_FP8, BLOCK_N, D)  # [BN, D] fp32
+                    kg = tl.arange(0, KNG)[None, :]
+                    if K_CODE == 2:
+                        ks = _nvfp4_scales(
+                            ks_base, kts_ptr + b * skts_b + h * skts_h, sks_t, pos, valid, row0, kts_block, KNG
+                        )
+                    else:
+                        ks = tl.load(ks_base + pos[:, None] * sks_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
+                    kz = ks
+                    if K_ZERO:
+                        kz = tl.load(kz_base + pos[:, None] * skz_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
+                    elif K_FP8 != 0:
+                        ks = ks * _FP8_UNIT
+                    k = _dequantize_rows(kcode, ks, kz, K_GROUP, K_ZERO, BLOCK_N, D)  # [BN, D] fp32
+                if K_OUTLIERS > 0:
+                    k += _outlier_tile(
+                        kod_ptr + b * skod_b + h * skod_h,
+                        koi_ptr + b * skoi_b + h * skoi_h,
+                        skod_t,
+                        skoi_t,
+                        pos,
+                        valid,
+                        K_OUTLIERS,
+                        BLOCK_N,
+                        D,
+                    ).to(tl.float32)
+                if K_ROPE > 0:  # the keys' RoPE at their positions, clamped to fp16's range as reference.dequantize
+                    cs = pos[:, None] * scs_t + offs_d[None, :]
+                    turned = valid[:, None] & (offs_d[None, :] < K_ROPE)
+                    cos = tl.load(cos_ptr + cs, mask=turned, other=1.0)
+                    sin = tl.load(sin_ptr + cs, mask=turned, other=0.0)
+                    k = _rope_rows(k, cos, sin, BLOCK_N, D, K_ROPE)
+                    k = tl.minimum(tl.maximum(k, -_FP16_MAX), _FP16_MAX)
                 s = _dot_f32(q_hi, q_lo, tl.trans(k))
             s = tl.where(valid[None, :], s, float("-inf"))
-            vbyte = tl.load(vc_base + pos[:, None] * svc_t + tl.arange(0, VDP)[None, :], mask=valid[:, None], other=0)
+            if V_PACKED:
+                vbyte = tl.load(
+                    vc_base + pos[:, None] * svc_t + tl.arange(0, VDP)[None, :], mask=valid[:, None], other=0
+                )
             vg = tl.arange(0, VNG)[None, :]
-            vs = tl.load(vs_base + pos[:, None] * svs_t + vg, mask=valid[:, None], other=0.0)  # [BN, VNG]
-            vz = vs
-            if V_FP8 == 0:
-                vz = tl.load(vz_base + pos[:, None] * svz_t + vg, mask=valid[:, None], other=0.0)
+            if V_CODE == 2:  # nvfp4: fp32 scales, the values rounded to fp16 once
+                vs = _nvfp4_scales(vs_base, vts_ptr + b * svts_b + h * svts_h, svs_t, pos, valid, row0, vts_block, VNG)
             else:
+                vs = tl.load(vs_base + pos[:, None] * svs_t + vg, mask=valid[:, None], other=0.0)  # [BN, VNG]
+            vz = vs
+            if V_ZERO:
+                vz = tl.load(vz_base + pos[:, None] * svz_t + vg, mask=valid[:, None], other=0.0)
+            elif V_FP8 != 0:
                 vs = vs * _FP8_UNIT  # fp16: scales are at most 65504 / 448, times 256 stays finite
-            v = _dequantize_rows(_unpack(vbyte, V_BITS, V_FP8, BLOCK_N, D, PTX), vs, vz, V_GROUP, V_FP8, BLOCK_N, D)
+            if V_PACKED:
+                vcode = _unpack(vbyte, V_BITS, V_FP8, BLOCK_N, D, PTX)
+            else:  # looked-up values: scaled in fp32, rounded to fp16 once
+                vcode = _unpack_values(vc_base + pos[:, None] * svc_t, valid, V_BITS, V_CODE, vlv_ptr, BLOCK_N, D)
+                vs = vs.to(tl.float32)
+            v = _dequantize_rows(vcode, vs, vz, V_GROUP, V_ZERO, BLOCK_N, D).to(tl.float16)
+            if V_OUTLIERS > 0:  # + p_t delta_tj at channel idx_tj: the deltas join the fp16 values
+                vcorr = _outlier_tile(
+                    vod_ptr + b * svod_b + h * svod_h,
+                    voi_ptr + b * svoi_b + h * svoi_h,
+                    svod_t,
+                    svoi_t,
+                    pos,
+                    valid,
+                    V_OUTLIERS,
+                    BLOCK_N,
+                    D,
+                )
+                v += vcorr
             acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
 
     empty = l_i == 0.0
@@ -775,16 +1053,48 @@ def fold_once(head_dim: int, cc: tuple[int, int] = (9, 0)) -> bool:
     return head_dim <= 128 and cc >= (8, 0)
 
 
-def launch_config(head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0)) -> tuple[int, int]:
+def launch_config(head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0), method: str = "") -> tuple[int, int]:
     """(tokens per attention tile, warps) for a program of block_m query rows on compute capability cc: the
     largest settings that compile without register spills (`python bench/compile_sm90.py [--arch 75]`
     shows each variant). Decode rows (block_m 16) get tiles of 64 tokens: the fewest instructions per
-    token that do not spill. Before sm_80 Triton's dots run on FMAs: 16 tokens, 8 warps."""
+    token that do not spill. Before sm_80 Triton's dots run on FMAs: 16 tokens, 8 warps.
+    method (`method_kind`): the methods beyond uniform codes hold more per tile (looked-up or turned
+    keys, sparse corrections), so at head_dim 128 their decode rows take 32-token tiles (with outliers on
+    8 warps), and outliers with pre-RoPE keys at head_dim 64 too."""
     if cc < (8, 0):
         return 16, 8
     if head_dim > 128:
         return 16, 4
-    return (64, 4) if block_m <= 16 else (32, 8)
+    if block_m > 16:
+        return 32, 8
+    if head_dim > 64 and method:
+        return (32, 8) if method.startswith("outliers") else (32, 4)
+    return (32, 4) if method == "outliers+rope" else (64, 4)
+
+
+def method_kind(kv) -> str:
+    """What the stored codes ask of the decode loop beyond uniform codes: "" (none; a Hadamard rotation turns
+    only the query and the partial outputs), "codes" (looked-up, bit-sliced or nvfp4 codes, pre-RoPE keys),
+    "outliers" (sparse corrections), "outliers+rope" (both with pre-RoPE keys)."""
+    if not kv.regions.has_codes:
+        return ""
+    keys, values = kv.keys.quantized, kv.values.quantized
+    if keys.outlier_index is not None or values.outlier_index is not None:
+        return "outliers+rope" if keys.rope is not None else "outliers"
+    plain = all(replace(q, rotation=None).plain for q in (keys, values))
+    return "" if plain else "codes"
+
+
+def max_block_m(head_dim: int, kv) -> int:
+    """Most query rows (GQA group x queries, padded) of one program over `kv`: MAX_BLOCK_M, but 16 for the
+    methods beyond uniform codes at head_dim 128 (more rows spill registers there; bench/compile_sm90.py)."""
+    return 16 if head_dim > 64 and method_kind(kv) else MAX_BLOCK_M.get(head_dim, 16)
+
+
+def _levels(q: QuantizedTensor) -> torch.Tensor:
+    """The codebook the kernel reads: fp16, as stored (QuantizedTensor's contract; the quantizer picks codes
+    with the fp16 levels), so looked-up codes are exact fp16 dot operands."""
+    return q.levels.half()
 
 
 def _arg(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
@@ -827,12 +1137,14 @@ def past_attention(
     _, hq, n, d = query.shape
     block_m = _block_m((hq // kv.kv_heads) * n)
     cc = capability(query.device)
-    default_n, default_warps = launch_config(d, block_m, cc)
+    default_n, default_warps = launch_config(d, block_m, cc, method_kind(kv))
     explicit_block_n = block_n is not None
     # a GPU with less shared memory per block than sm_90 (a T4 has 64 KiB) cannot run the default tile:
     # halve it until it launches, once per shape, and remember what fits (a block_n given is not changed)
     spec = kv.spec
-    fits_key = (query.device, d, block_m, spec.key_format, spec.value_format, spec.key_axis, query.dtype, num_stages)
+    methods = (spec.outliers, spec.pre_rope, spec.hadamard)
+    fits_key = (query.device, d, block_m, spec.key_format, spec.value_format, spec.key_axis, methods, query.dtype)
+    fits_key += (num_stages,)
     block_n = block_n or _FITTING_BLOCK_N.get(fits_key, default_n)
     while True:
         try:
@@ -884,6 +1196,18 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     q_arg = query if query.stride(-1) == 1 else query.contiguous()
     k_fmt = keys.fmt if quant else "int8"
     v_fmt = values.fmt if quant else "int8"
+    # the methods beyond uniform codes (see the kernel's docstring); absent ones get stand-ins of their dtypes
+    no_fp32 = query.new_empty(1, dtype=torch.float32)
+    k_rot = quant and keys.rotation is not None
+    v_rot = quant and values.rotation is not None
+    if k_rot:  # the codes see q @ R: both contiguous, so one set of strides serves q and q @ R
+        q_arg = q_arg.contiguous()
+        q_rot = (q_arg.float() @ keys.rotation.to(device=query.device, dtype=torch.float32)).contiguous()
+    k_rope = quant and keys.rope is not None
+    if k_rope:
+        cos, sin = keys.rope.tables(keys.start, keys.start + keys.codes.shape[-2], query.device)  # [rows, rd]
+    k_cap = keys.outlier_index.shape[-1] if quant and keys.outlier_index is not None else 0
+    v_cap = values.outlier_index.shape[-1] if quant and values.outlier_index is not None else 0
     _decode_split_kernel[(parts, b * hkv)](
         q_arg,
         *q_arg.stride()[:3],
@@ -897,6 +1221,21 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         *_arg(values.codes if quant else None, no_codes),
         *_arg(values.scale if quant else None, no_meta),
         *_arg(values.zero if quant else None, no_meta),
+        q_rot if k_rot else q_arg,
+        _levels(keys) if quant and keys.levels is not None else no_meta,
+        _levels(values) if quant and values.levels is not None else no_meta,
+        *_arg(keys.tensor_scale if quant else None, no_fp32)[:3],
+        *_arg(values.tensor_scale if quant else None, no_fp32)[:3],
+        keys.start if quant else 0,
+        max(1, keys.block) if quant else 1,
+        max(1, values.block) if quant else 1,
+        *_arg(keys.outlier_delta if k_cap else None, no_meta),
+        *_arg(keys.outlier_index if k_cap else None, no_codes),
+        *_arg(values.outlier_delta if v_cap else None, no_meta),
+        *_arg(values.outlier_index if v_cap else None, no_codes),
+        cos if k_rope else no_fp32,
+        sin if k_rope else no_fp32,
+        cos.stride(0) if k_rope else 0,
         o_part,
         lse_part,
         hkv,
@@ -912,28 +1251,39 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        K_BITS=_bits(k_fmt),
+        K_BITS=reference.code_bits(k_fmt),
         K_FP8=FP8_CODE.get(k_fmt, 0),
         K_CHANNEL=kv.spec.key_axis == "channel",
         K_GROUP=keys.group if quant else block_n,
-        V_BITS=_bits(v_fmt),
+        V_BITS=reference.code_bits(v_fmt),
         V_FP8=FP8_CODE.get(v_fmt, 0),
         V_GROUP=values.group if quant else d,
         PTX=ptx_unpacking(),
         FOLD_ONCE=keep_fold,
+        K_CODE=_code_kind(keys) if quant else 0,
+        V_CODE=_code_kind(values) if quant else 0,
+        K_OUTLIERS=k_cap,
+        V_OUTLIERS=v_cap,
+        K_ROTATED=k_rot,
+        K_ROPE=cos.shape[-1] if k_rope else 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if v_rot:  # the quantized splits' outputs are in the values' rotated space: turn them back (out @ R.T)
+        rot = values.rotation.to(device=query.device, dtype=torch.float32)
+        o_part[:, :q_splits] = o_part[:, :q_splits] @ rot.T
     _merge_kernel[(b * hkv,)](o_part, lse_part, out, lse, parts, m, BLOCK_M=block_m, D=d, num_warps=4)
     return out, lse
 
 
 def kv_bytes_read(kv) -> int:
-    """Bytes of K/V the decode kernel reads for one call (codes, metadata, sinks, residual): for benchmarks."""
+    """Bytes of K/V the decode kernel reads for one call (codes, metadata, sparse outliers, codebooks, sinks,
+    residual; not pre-RoPE keys' cos/sin tables): for benchmarks."""
     total = 0
     for part in (kv.keys, kv.values):
         tensors = [part.sinks, part.residual]
         if kv.regions.has_codes:
-            tensors += [part.quantized.codes, part.quantized.scale, part.quantized.zero]
+            q = part.quantized
+            tensors += [q.codes, q.scale, q.zero, q.tensor_scale, q.outlier_delta, q.outlier_index, q.levels]
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total

@@ -1,0 +1,211 @@
+"""The Triton decode kernel over the methods beyond uniform codes (kvdemo/precision.py) against the PyTorch
+reference, under TRITON_INTERPRET=1: nuq codebooks, bit-sliced 3-bit codes, nvfp4, dense-and-sparse outliers,
+Hadamard rotation, pre-RoPE keys, and combinations of them, read from real `QuantizedKVCache` layers.
+
+Bounds: tests/test_triton.py's (`assert_attention_close`): lse within 1e-4 * scale, out within 2e-3 * scale.
+Every case first checks that `supports_attention` takes it, so the comparison is the kernel's, never the
+reference's fallback against itself; `test_each_method_is_seen_by_the_comparison` shows the bounds are tight
+enough to catch a method the kernel left out. Shapes are tiny: the interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_families import _model
+from test_triton import DEVICE, _keys, _to, assert_attention_close
+from test_triton import tk as triton_kernels  # noqa: F401  (test_triton's fixture, registered here by this name)
+
+from kvdemo import attention
+from kvdemo import quant as kvquant
+from kvdemo.cache import QuantizedKVCache
+from kvdemo.precision import parse_precision
+from kvdemo.quant import reference as ref
+from kvdemo.quant.rotations import Rope
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture(scope="module")
+def tk(triton_kernels):  # noqa: F811
+    """The kernels module, interpreted or compiled behind test_triton's `OnDevice` (its `tk` fixture)."""
+    return triton_kernels
+
+
+def _rope(head_dim: int, partial: bool = False) -> Rope:
+    """A tiny random model's rotary embedding: Llama at `head_dim`, or Phi-3 with half its 16 channels turned."""
+    return Rope.from_model(_model("phi3", partial_rotary_factor=0.5) if partial else _model("llama", head_dim=head_dim))
+
+
+def _packed(spec: str, hkv: int, head_dim: int, chunks, seed: int, partial_rope: bool = False):
+    """The packed past of a one-layer QuantizedKVCache fed `chunks` tokens at a time."""
+    s = parse_precision(spec)
+    rope = _rope(head_dim, partial_rope) if s.pre_rope else None
+    cache = QuantizedKVCache(spec, num_layers=1, rope=rope)
+    g = torch.Generator().manual_seed(seed)
+    for n in chunks:
+        k = _keys((1, hkv, n, head_dim), seed=int(torch.randint(0, 2**30, (1,), generator=g)))
+        cache.update(k, torch.randn(1, hkv, n, head_dim, generator=g) * 2, 0)
+    return cache.layers[0].packed()
+
+
+def _compare(tk, query, kv, scaling, **settings):
+    """The kernel (which must take the call) against the reference: out and lse within the stated bounds."""
+    assert tk.supports_attention(query, kv), "the kernel must take this call (not hand it to the reference)"
+    want_out, want_lse = ref.past_attention(query, kv, scaling)
+    out, lse = tk.past_attention(query, kv, scaling, **settings)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_attention_close(out, want_out)
+    assert_attention_close(lse, want_lse, "lse")
+
+
+METHOD_CASES = [
+    # spec, kv heads, GQA ratio, head_dim, chunks fed, queries, splits
+    ("nuq4:g16:r16:s2", 1, 3, 32, [70], 1, 2),  # 4-bit codebook, keys per channel (scale + zero), fp32 levels
+    ("nuq3:g16:r16", 2, 2, 32, [50, 1], 1, None),  # bit-sliced 3-bit codebook
+    ("nuq2:g16:r16:s3", 1, 4, 16, [45], 1, 3),  # 2-bit codebook, head_dim 16
+    ("int3:g16:r16:s1", 1, 2, 32, [60], 2, 2),  # bit-sliced uniform 3-bit, two queries
+    ("int3:g32:r32", 1, 2, 64, [75], 1, None),
+    ("nuq3:ktoken:g16:r16", 1, 2, 32, [50], 1, 2),  # codebook keys per token (absmax scale, no zero)
+    ("int3:ktoken:g16:r16:s2", 1, 2, 32, [40], 1, None),
+    ("nvfp4:g16:r16:s2", 1, 3, 32, [70], 1, 2),  # E2M1 codes, E4M3 scales, a tensor scale per 16 tokens
+    ("nvfp4:g32:r32", 2, 2, 64, [100], 1, 3),
+    ("int4:o7:g16:r16", 1, 2, 32, [50], 1, 2),  # 3 sparse outliers per row, keys and values
+    ("nuq3:o1:g16:r16", 1, 3, 32, [60], 1, None),  # nuq3 + outliers
+    ("k8v4:o4:ktoken:g16:r16", 1, 2, 32, [50], 1, 2),  # outliers on per-token keys
+    ("int4:hadamard:g16:r16:s2", 1, 3, 32, [60], 1, 2),  # queries turned by R, outputs back by R.T
+    ("k8v4:hadamard:g16:r16", 2, 2, 32, [50, 1], 1, None),
+    ("k8v4:hadamard:o1:g16:r16", 1, 2, 32, [55], 1, 2),  # outliers in the rotated space
+    ("int4:prerope:g16:r16:s2", 1, 3, 32, [60], 1, 2),  # keys turned by RoPE after dequantizing
+    ("nuq2:o1:prerope:g16:r16", 1, 2, 32, [50], 1, None),
+    ("int8:prerope:ktoken:g16:r16", 1, 2, 32, [45], 1, 2),
+    ("nuq4:o1:s1:g16:r16", 1, 4, 32, [70, 1, 1], 1, 2),  # sinks, residual, appends after the prefill
+    ("nuq4:o1:prerope:g32:r32", 1, 2, 64, [80], 1, 2),  # the ablation's best combination
+]
+
+
+@pytest.mark.parametrize("spec,hkv,grp,head_dim,chunks,n_q,splits", METHOD_CASES)
+def test_methods_match_the_reference(tk, spec, hkv, grp, head_dim, chunks, n_q, splits):
+    kv = _packed(spec, hkv, head_dim, chunks, seed=len(spec) + sum(chunks))
+    assert kv.regions.has_codes and not kv.keys.quantized.plain
+    query = torch.randn(1, hkv * grp, n_q, head_dim, generator=torch.Generator().manual_seed(7))
+    _compare(tk, query, kv, head_dim**-0.5, num_splits=splits)
+
+
+def test_partial_rotary_prerope_keys(tk):
+    """Phi-3 with partial_rotary_factor 0.5: RoPE turns 8 of 16 channels, the rest pass through."""
+    kv = _packed("int4:prerope:g16:r16:s1", 1, 16, [50], seed=3, partial_rope=True)
+    cos, _ = kv.keys.quantized.rope.tables(0, 4, "cpu")
+    assert cos.shape[-1] == 8
+    _compare(tk, torch.randn(1, 3, 1, 16, generator=torch.Generator().manual_seed(4)), kv, 0.25, num_splits=2)
+
+
+def test_fp16_codebooks(tk):
+    """The cache holds fp16 codebooks (NormalFloat rounded too), the quantizer picks codes with those very levels,
+    and the kernel reads them as exact fp16 dot operands."""
+    kv = _packed("nuq4:g16:r16:s2", 1, 32, [60], seed=5)
+    for part in (kv.keys, kv.values):
+        assert part.quantized.levels.dtype == torch.float16
+    query = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(6))
+    _compare(tk, query, kv, 32**-0.5, num_splits=2)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_methods_with_other_tiles(tk, block_n):
+    """Tiles of 16 and 32 tokens (per-token keys: more than one tile per nvfp4 block, or a block per tile)."""
+    for i, spec in enumerate(("nvfp4:g32:r32:s2", "nuq3:o1:prerope:g32:r32", "int3:hadamard:g32:r32")):
+        kv = _packed(spec, 1, 32, [90], seed=20 + i)
+        query = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(21 + i))
+        _compare(tk, query, kv, 32**-0.5, num_splits=2, block_n=block_n)
+
+
+def _without(kv, part: str, **fields):
+    """kv with fields of one stored part's QuantizedTensor replaced (a method taken away)."""
+    stored = getattr(kv, part)
+    return dataclasses.replace(
+        kv, **{part: dataclasses.replace(stored, quantized=dataclasses.replace(stored.quantized, **fields))}
+    )
+
+
+@pytest.mark.parametrize(
+    "spec,part,fields",
+    [
+        ("int4:o7:g16:r16", "keys", dict(outlier_delta=None, outlier_index=None)),
+        ("int4:o7:g16:r16", "values", dict(outlier_delta=None, outlier_index=None)),
+        ("int4:hadamard:g16:r16", "keys", dict(rotation=None)),
+        ("int4:hadamard:g16:r16", "values", dict(rotation=None)),
+        ("int4:prerope:g16:r16", "keys", dict(start=1)),  # RoPE one position off
+    ],
+)
+def test_each_method_is_seen_by_the_comparison(tk, spec, part, fields):
+    """The bounds catch a kernel that leaves a method out: the kernel over the past without it (or with it
+    one position off) misses the reference over the real past."""
+    kv = _packed(spec, 1, 32, [60], seed=9)
+    query = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(10))
+    want_out, want_lse = ref.past_attention(query, kv, 32**-0.5)
+    broken = _without(kv, part, **fields)
+    if part == "keys" and "start" in fields:
+        broken = _without(broken, "values", start=1)  # keys and values share their start
+    assert tk.supports_attention(query, broken)
+    out, lse = tk.past_attention(query, broken, 32**-0.5)
+    got, want, what = (lse, want_lse, "lse") if part == "keys" else (out, want_out, "out")
+    with pytest.raises(AssertionError):
+        assert_attention_close(got, want, what)
+
+
+def test_supports_attention_takes_the_methods_and_refuses_the_rest(tk):
+    query = torch.randn(1, 2, 1, 32)
+    for spec in ("nuq4", "nuq3:o1", "nuq2:o1:prerope", "int3", "nvfp4", "int4:hadamard", "k8v4:hadamard:o1"):
+        kv = _packed(spec + ":g16:r16", 1, 32, [40], seed=1)
+        assert tk.supports_attention(query, kv), spec
+    too_many = _packed("int4:o20:g16:r16", 1, 32, [40], seed=1)  # ceil(6.4) = 7 outliers per row
+    assert too_many.keys.quantized.outlier_index.shape[-1] > tk.MAX_OUTLIERS
+    assert not tk.supports_attention(query, too_many)
+    _compare_fallback(tk, query, too_many)
+    kv = _packed("int4:prerope:g16:r16", 1, 32, [40], seed=1)
+    rope = kv.keys.quantized.rope
+    assert not tk.supports_attention(query, _without(kv, "values", rope=rope))  # values are never pre-RoPE
+    assert not tk.supports_attention(query, _without(kv, "keys", rotation=torch.eye(32)))  # RoPE after R: no
+    assert not tk.supports_attention(query, _without(kv, "keys", start=16))  # keys and values start apart
+    odd = _packed("nvfp4:g16:r16", 1, 16, [40], seed=1)  # per-token keys at head_dim 16: not compiled for
+    assert not tk.supports_attention(torch.randn(1, 2, 1, 16), odd)
+
+
+def _compare_fallback(tk, query, kv):
+    """A call the kernel refuses is the reference's, exactly."""
+    got = tk.past_attention(query, kv, 0.2)
+    want = ref.past_attention(query.to(DEVICE), _to(kv, DEVICE), 0.2)
+    torch.testing.assert_close(got, tuple(t.cpu() for t in want), rtol=0, atol=0)
+
+
+def test_nuq3_outliers_through_the_triton_backend(tk, monkeypatch):
+    """kvdemo attention's decode path with KVDEMO_BACKEND=triton reaches the kernel for nuq3:o1 (a spy counts
+    its launches) and gives the torch backend's attention within the bounds."""
+    module = getattr(tk, "_module", tk)
+    launches = []
+    real = module._launch_decode
+
+    def spy(*args, **kwargs):
+        launches.append(args[1].spec.label)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_launch_decode", spy)
+    spec, grp = "nuq3:o1:g16:r16:s2", 3
+    states = [_keys((1, 2, n, 32), seed=60 + n).to(DEVICE) for n in (37, 1, 1)]
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        cache = QuantizedKVCache(spec, num_layers=1)
+        outs = []
+        for i, k in enumerate(states):
+            view, _ = cache.layers[0].update(k, k.flip(-1) * 0.5)
+            if view.past_len:
+                query = torch.randn(1, 2 * grp, k.shape[-2], 32, generator=torch.Generator().manual_seed(i))
+                outs.append(attention.attend(query.to(DEVICE), view, 32**-0.5).cpu())
+        runs[backend] = outs
+        assert cache.layers[0].quant_len == 32
+    assert len(launches) == 2 and all(label.startswith("nuq3:o1") for label in launches)
+    for x, y in zip(runs["torch"], runs["triton"], strict=True):
+        assert_attention_close(y, x)
