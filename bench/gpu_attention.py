@@ -78,6 +78,7 @@ FULL_DEFAULTS = {
     "long_context": 131072,
     "long_max_context": 1 << 20,
     "long_max_layers": 2,
+    "method_formats": "nuq4:o1,nuq3:o1,nuq2:o1:s1,int3,nvfp4,int4:hadamard",
 }
 SMOKE_DEFAULTS = {
     "contexts": "96,200",
@@ -92,6 +93,7 @@ SMOKE_DEFAULTS = {
     "long_context": 2304,
     "long_max_context": 4096,
     "long_max_layers": 1,
+    "method_formats": "nuq3:o1,nvfp4",
 }
 GOAL_POINT = (8, 65536)  # (batch, context) of the decode goals
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "programs_per_sm": (2, 8, 16)}
@@ -114,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contexts", default=None, help="default 4096,16384,32768,65536,131072 (smoke: 96,200)")
     p.add_argument("--batches", default=None, help="default 1,4,8,16 (smoke: 1,2)")
     p.add_argument("--formats", default="int4,int8,fp8_e4m3", help="decode formats (keys and values alike)")
+    p.add_argument(
+        "--method-formats",
+        default=None,
+        help="issue 17's formats (precision strings), decoded at the goal point only (smoke: the first point); "
+        "default nuq4:o1,nuq3:o1,nuq2:o1:s1,int3,nvfp4,int4:hadamard (smoke: nuq3:o1,nvfp4); '' to skip",
+    )
     p.add_argument("--quant-formats", default="int8,int4,int2,fp8_e4m3,fp8_e5m2")
     p.add_argument("--group", type=int, default=None, help="default 128 (smoke: 32)")
     p.add_argument("--residual", type=int, default=None, help="default 128 (smoke: 32)")
@@ -246,6 +254,16 @@ def make_packed(keys: torch.Tensor, values: torch.Tensor, spec, tk):
     return PackedKV(spec, r, k, part(values, spec.value_format, "token", spec.value_group(d)))
 
 
+def method_packed(keys: torch.Tensor, values: torch.Tensor, spec):
+    """PackedKV of `keys`/`values` in a one-layer QuantizedKVCache at `spec` (codebooks: NormalFloat, the same
+    speed as fitted ones), so the methods' fields (levels, outliers, rotation, nvfp4 scales) are as the app has them."""
+    from kvdemo.cache import QuantizedKVCache
+
+    cache = QuantizedKVCache(spec, num_layers=1)
+    cache.layers[0].update(keys, values)
+    return cache.layers[0].packed()
+
+
 def decode_inputs(batch: int, ctx: int, shape: dict, device: torch.device):
     """Random 16-bit keys, values [B, Hkv, T, D] and one decode query [B, Hq, 1, D] (seeded by the size)."""
     hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
@@ -295,9 +313,14 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
         us_gqa, us_fold = sdpa_us(keys, values, query, device, args.smoke)
         sdpa = min(us_gqa, us_fold)
         bytes16 = 2 * keys.numel() * keys.element_size()
-        for fmt in _names(args.formats):
-            spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
-            kv = make_packed(keys, values, spec, tk)
+        methods = _names(args.method_formats) if (batch, ctx) == (points[0] if args.smoke else GOAL_POINT) else []
+        for fmt in _names(args.formats) + methods:
+            if fmt in methods:  # issue 17's formats: built as the cache builds them
+                spec = parse_precision(f"{fmt}:g{args.group}:r{args.residual}")
+                kv = method_packed(keys, values, spec)
+            else:
+                spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
+                kv = make_packed(keys, values, spec, tk)
             tri_us = time_us(lambda q=query, kv=kv: tk.past_attention(q, kv, scale), device, args.smoke)
             err = None
             if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
@@ -310,6 +333,7 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
                 | {
                     "format": fmt,
                     "precision": spec.label,
+                    "kernel": tk.supports_attention(query, kv),  # False: past_attention handed it to the reference
                     "triton_us": tri_us,
                     "sdpa_us": sdpa,
                     "sdpa_gqa_us": us_gqa,

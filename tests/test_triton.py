@@ -492,7 +492,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     env.pop("KVDEMO_BACKEND", None)
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--smoke", "--out", str(out)]
     cmd += ["--sections", "copy,quantize,decode,sweep,floors,e2e"]
-    cmd += ["--contexts", "96", "--batches", "1,2", "--formats", "int4,fp8_e4m3"]
+    cmd += ["--contexts", "96", "--batches", "1,2", "--formats", "int4,fp8_e4m3", "--method-formats", "nuq3:o1,nvfp4"]
     cmd += ["--quant-formats", "int8,int4,fp8_e4m3", "--e2e-backends", "torch", "--e2e-precisions", "int4"]
     cmd += ["--models", "embedded,random:smollm2-135m", "--sweep", "on"]
     proc = subprocess.run(
@@ -511,7 +511,13 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert all(r["fraction_of_copy"] > 0 for r in report["quantize"])
     rows = report["decode"]
     assert rows and all(r["triton_us"] > 0 and r["sdpa_us"] > 0 and r["speedup"] > 0 for r in rows)
-    assert len(rows) == 4 and all(r["max_err_vs_reference"] < 2e-3 for r in rows)  # the stated bound
+    assert len(rows) == 6 and all(r["max_err_vs_reference"] < 2e-3 for r in rows)  # the stated bound
+    # issue 17's formats at the first point only (the goal point in a full run), read by the kernel itself
+    assert [(r["batch"], r["precision"]) for r in rows if r["format"] in ("nuq3:o1", "nvfp4")] == [
+        (1, "nuq3:o1:g32:r32"),
+        (1, "nvfp4:g32:r32"),
+    ]
+    assert all(r["kernel"] for r in rows)
     assert all(r["bit_identical_to_reference"] for r in report["quantize"])
     assert all(1.0 < r["memory_bound_limit"] < 4.0 for r in rows)
     sweep = report["sweep"]
