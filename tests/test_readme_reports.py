@@ -319,3 +319,30 @@ def test_methods_passkey_table_is_the_needle_report():
             assert change == agree == ""
         else:
             assert _printed(change, s["mean_logprob_change"]) and _fraction(agree) == (s["agree_with_full"], s["cells"])
+
+
+def test_methods_compile_table_is_the_compile_report():
+    """The methods' sm_90 compile table: registers, spills and instructions per token from the shipped report."""
+    report = _report("compile_sm90_quick.json")
+    assert report["command"] in README
+    at, rows = _table(
+        [
+            "decode variant (head_dim 128, 16 query rows)",
+            "key axis",
+            "registers",
+            "spills",
+            "warp instructions per token",
+        ]
+    )
+    _says_date(at, report["date"])
+    decode = {
+        (r["format"], r["axis"]): r
+        for r in report["rows"]
+        if r["kernel"] == "decode" and r["head_dim"] == 128 and r.get("block_m") == 16 and "half" not in r
+    }
+    assert rows[0][:2] == ["k:int4 v:int4", "channel"]  # the plain codes first, as the yardstick
+    assert len(rows) == 1 + sum("method" in r for r in decode.values())
+    for fmt, axis, registers, spills, issue in rows:
+        r = decode[(fmt, axis)]
+        assert int(registers) == r["registers"] and int(spills) == r["spill_stores"] == 0
+        assert _printed(issue, r["issue_per_token"])
