@@ -131,13 +131,16 @@ def compile_one(
     num_stages: int = tk.NUM_STAGES,
     half: str = "fp16",
     pointers: dict | None = None,
+    fp_fusion: bool = True,
 ) -> dict:
     """Compile one variant for sm_<arch>; its compile time, shared memory, registers and spills."""
     sig, attrs, constexprs = signature(fn, constexprs, half, pointers)
     started = time.perf_counter()
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(
-        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion},
     )
     row = {"compile_s": round(time.perf_counter() - started, 2), "shared_bytes": kernel.metadata.shared}
     return row | resources(kernel.asm["cubin"]) | global_loads(kernel.asm["ptx"])
@@ -177,6 +180,46 @@ def quantize_variants(quick: bool) -> list[dict]:
                 }
                 rows.append({"kernel": "quantize", "format": fmt, "axis": axis, "head_dim": head_dim, "consts": consts})
     rows.append(rows[2] | {"half": "bf16", "format": rows[2]["format"] + " (bf16 input)"})
+    return rows + quantize_method_variants(quick)
+
+
+# quantize with the methods beyond uniform codes: (format, axis, group, outliers per token), at the tiles and
+# warps `tk.method_tile` picks; codebooks fp16 (as stored), nuq midpoints fp32
+QUANTIZE_METHODS = [
+    ("int3", "channel", 128, 0),
+    ("nuq4", "channel", 128, 0),
+    ("nuq3", "channel", 128, 1),
+    ("nuq3", "token", 128, 1),
+    ("nuq2", "token", 128, 1),
+    ("int4", "channel", 128, 4),
+    ("nuq4", "channel", 32, 1),
+    ("nvfp4", "token", 16, 0),
+]
+METHOD_QUANT_CODE = {"int4": (4, 0), "int3": (3, 0), "nuq4": (4, 1), "nuq3": (3, 1), "nuq2": (2, 1)}  # bits, CODE
+
+
+def quantize_method_variants(quick: bool) -> list[dict]:
+    """The method quantize kernels (`_quantize_methods_kernel`, `_quantize_nvfp4_kernel`) at head_dim 128
+    (and 64 unless quick), compiled without fp fusion as the wrapper launches them."""
+    rows = []
+    for head_dim in (128,) if quick else (64, 128):
+        for fmt, axis, group, cap in QUANTIZE_METHODS:
+            block_t, warps = tk.method_tile(fmt, axis, group, head_dim, bool(cap))
+            if fmt == "nvfp4":
+                kernel, consts = "quantize_nvfp4", {"D": head_dim, "CLEAN": True, "BLOCK_T": block_t}
+                pointers = {"codes_ptr": "*u8", "scale_ptr": "*u8", "ts_ptr": "*fp32"}
+            else:
+                kernel = "quantize_methods"
+                bits, code = METHOD_QUANT_CODE[fmt]
+                consts = {"D": head_dim, "BITS": bits, "CODE": code}
+                consts |= {"CHANNEL": axis == "channel", "GROUP": group, "CAP": cap, "CLEAN": True}
+                consts |= {"ILP": 4 if head_dim == 16 else 1, "BLOCK_T": block_t}
+                pointers = {"codes_ptr": "*u8", "index_ptr": "*u8", "mids_ptr": "*fp32"}
+            label = fmt + (f":o{cap}" if cap else "") + f" g{group}"
+            rows.append(
+                {"kernel": kernel, "format": label, "axis": axis, "head_dim": head_dim, "num_warps": warps}
+                | {"consts": consts, "pointers": pointers, "fp_fusion": False}
+            )
     return rows
 
 
@@ -280,7 +323,13 @@ def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     return rows
 
 
-KERNELS = {"quantize": "_quantize_kernel", "decode": "_decode_split_kernel", "merge": "_merge_kernel"}
+KERNELS = {
+    "quantize": "_quantize_kernel",
+    "quantize_methods": "_quantize_methods_kernel",
+    "quantize_nvfp4": "_quantize_nvfp4_kernel",
+    "decode": "_decode_split_kernel",
+    "merge": "_merge_kernel",
+}
 # the device machine's H200 as read there (.library/device/KINDS.md): SMs, SM clock under load, and the
 # device-to-device copy rate (bytes read + written), used as the HBM rate for both contenders
 H200 = {"sms": 132, "clock_hz": 1.98e9, "bytes_per_s": 4.3e12}
@@ -358,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 row.get("num_warps", 4),
                 half=row.get("half", "fp16"),
                 pointers=row.get("pointers"),
+                fp_fusion=row.get("fp_fusion", True),
             )
         except Exception as err:  # noqa: BLE001 - every failure is reported, then the exit code says so
             lines = str(err).strip().splitlines() or [""]

@@ -93,8 +93,9 @@ class OnDevice:
     def __getattr__(self, name):
         return getattr(self._module, name)
 
-    def quantize(self, x, *args):
-        return _to(self._module.quantize(x.to(DEVICE), *args), "cpu")
+    def quantize(self, x, *args, **methods):
+        methods = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in methods.items()}
+        return _to(self._module.quantize(x.to(DEVICE), *args, **methods), "cpu")
 
     def quantize_into(self, x, fmt, axis, group, codes, scale, zero):
         outs = [t if t is None else t.to(DEVICE) for t in (codes, scale, zero)]

@@ -209,3 +209,181 @@ def test_nuq3_outliers_through_the_triton_backend(tk, monkeypatch):
     assert len(launches) == 2 and all(label.startswith("nuq3:o1") for label in launches)
     for x, y in zip(runs["torch"], runs["triton"], strict=True):
         assert_attention_close(y, x)
+
+
+# --- quantize-on-append with the methods: the same bytes as reference.quantize ------------------------------
+
+QUANT_FIELDS = ("codes", "scale", "zero", "tensor_scale", "outlier_delta", "outlier_index", "levels")
+
+
+def _assert_same_bytes(want: ref.QuantizedTensor, got: ref.QuantizedTensor) -> None:
+    """Every stored tensor equal (dtype, shape, bits) and the same layout fields."""
+    for name in QUANT_FIELDS:
+        a, b = getattr(want, name), getattr(got, name)
+        assert (a is None) == (b is None), f"{name}: {a is None} vs {b is None}"
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, (
+                f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+            )
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: {int((a != b).sum())} differ"
+    for name in ("fmt", "axis", "group", "head_dim", "block", "start"):
+        assert getattr(want, name) == getattr(got, name), name
+
+
+def _levels(bits: int, seed: int) -> torch.Tensor:
+    """A random ascending codebook in [-1, 1] with both ends, fp32 (the quantizer rounds it to fp16)."""
+    inner = torch.rand((1 << bits) - 2, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return torch.cat([torch.tensor([-1.0, 1.0]), inner]).sort().values
+
+
+def _method_input(shape, seed: int, huge: float = 3e4) -> torch.Tensor:
+    """Keys-like data with a constant key block of one channel (0.1: torch's mean misses it by an ulp), a
+    constant value group (small and at most half the token, so no tie among its largest magnitudes: ties are
+    the documented exception) and a huge outlier. Pre-RoPE cases take a smaller one: turned back, a huge one
+    fills two channels of its token, each dominating its channel's block, and both score exactly
+    (G - 1) / sqrt(G), a tie (`test_outlier_ties_go_to_the_lowest_channel`)."""
+    x = _keys(shape, seed=seed)
+    x[0, 0, :16, 3] = 0.1
+    x[0, -1, 5, : min(16, shape[-1] // 2)] = 0.01
+    x[0, -1, 9, 7] = huge
+    return x
+
+
+QUANT_CASES = [
+    # fmt, axis, group, head_dim, tokens, methods (levels: bits of a random codebook)
+    ("int3", "channel", 16, 32, 32, {}),
+    ("int3", "token", 16, 32, 21, {}),
+    ("nuq4", "channel", 16, 32, 32, {"levels": 4}),
+    ("nuq3", "channel", 16, 32, 32, {"levels": 3, "outliers": 1}),  # keys per channel, one outlier per token
+    ("nuq3", "token", 32, 32, 21, {"levels": 3, "outliers": 1}),  # values per token
+    ("nuq3", "token", 16, 64, 19, {"levels": 3, "outliers": 1}),
+    ("nuq2", "token", 16, 16, 19, {"levels": 2, "outliers": 1}),
+    ("nuq2", "channel", 32, 16, 64, {"levels": 2, "outliers": 7}),  # head_dim 16: torch's other sum order
+    ("int4", "channel", 64, 32, 64, {"outliers": 10}),  # 4 outliers, a block read in two pieces
+    ("int4", "token", 16, 32, 21, {"outliers": 10}),
+    ("int8", "channel", 16, 64, 32, {"outliers": 2}),
+    ("nvfp4", "token", 16, 32, 40, {"start": 5, "block": 16}),  # blocks cut at positions 16, 32 (rows 11, 27)
+    ("nvfp4", "token", 16, 64, 21, {}),  # one tensor scale over all rows
+    ("int4", "channel", 16, 32, 32, {"rotation": True}),  # Hadamard
+    ("int2", "token", 32, 32, 21, {"rotation": True}),
+    ("nuq4", "channel", 16, 32, 32, {"levels": 4, "outliers": 1, "rope": True, "start": 16}),  # pre-RoPE keys
+    ("nvfp4", "token", 16, 32, 16, {"rope": True, "rotation": True, "start": 3, "block": 16}),
+]
+
+
+def _methods(spec: dict, head_dim: int, seed: int) -> dict:
+    """reference.quantize's keywords from a QUANT_CASES entry."""
+    methods = dict(spec)
+    if "levels" in methods:
+        methods["levels"] = _levels(methods["levels"], seed)
+    if methods.get("rotation"):
+        from kvdemo.quant.rotations import hadamard
+
+        methods["rotation"] = hadamard(head_dim)
+    if methods.get("rope"):
+        methods["rope"] = _rope(head_dim)
+    return methods
+
+
+@pytest.mark.parametrize("fmt,axis,group,head_dim,tokens,spec", QUANT_CASES)
+def test_quantize_methods_match_the_reference(tk, fmt, axis, group, head_dim, tokens, spec):
+    methods = _methods(spec, head_dim, seed=head_dim + tokens)
+    assert tk.supports_quantize_methods(fmt, axis, group, head_dim, **methods)
+    x = _method_input((1, 2, tokens, head_dim), seed=tokens + group, huge=300.0 if spec.get("rope") else 3e4)
+    want = ref.quantize(x, fmt, axis, group, **methods)
+    _assert_same_bytes(want, tk.quantize(x, fmt, axis, group, **methods))
+    if spec.get("outliers") and not spec.get("rope") and axis == "channel" and group == 16 and head_dim == 32:
+        assert bool((want.outlier_index[0, 0, :16] == 3).any(dim=-1).all()), "the constant channel is picked"
+
+
+def test_quantize_methods_fp16_input_and_strides(tk):
+    """fp16 / bf16 inputs with inf and nan, and a [B, T, H, D] projection seen as [B, H, T, D]."""
+    levels = _levels(3, 1)
+    x = _method_input((1, 2, 32, 32), seed=2)
+    x[0, 1, 3, 4], x[0, 0, 7, 8], x[0, 1, 20, 9] = float("nan"), float("inf"), float("-inf")
+    for dtype in (torch.float16, torch.bfloat16):
+        for axis, group in (("channel", 16), ("token", 16)):
+            xd = x.to(dtype)
+            _assert_same_bytes(
+                ref.quantize(xd, "nuq3", axis, group, levels=levels, outliers=1),
+                tk.quantize(xd, "nuq3", axis, group, levels=levels, outliers=1),
+            )
+        _assert_same_bytes(ref.quantize(xd, "nvfp4", "token", 16), tk.quantize(xd, "nvfp4", "token", 16))
+    strided = _keys((1, 32, 2, 32), seed=3).transpose(1, 2)
+    _assert_same_bytes(
+        ref.quantize(strided, "int3", "token", 16, outliers=5), tk.quantize(strided, "int3", "token", 16, outliers=5)
+    )
+
+
+def test_quantize_methods_comparison_sees_a_wrong_choice(tk):
+    """The byte comparison fails for a neighbouring choice (another codebook, one outlier fewer, another start)."""
+    x = _method_input((1, 2, 32, 32), seed=4)
+    got = tk.quantize(x, "nuq3", "channel", 16, levels=_levels(3, 5), outliers=1)
+    for other in (dict(levels=_levels(3, 6), outliers=1), dict(levels=_levels(3, 5))):
+        with pytest.raises(AssertionError):
+            _assert_same_bytes(ref.quantize(x, "nuq3", "channel", 16, **other), got)
+    got = tk.quantize(x, "nvfp4", "token", 16, start=5, block=16)
+    with pytest.raises(AssertionError):
+        _assert_same_bytes(ref.quantize(x, "nvfp4", "token", 16, start=6, block=16), got)
+
+
+def test_outlier_ties_go_to_the_lowest_channel(tk):
+    """The documented exception: a constant token ties every |x|; the kernel picks the lowest channels (torch's
+    CPU topk another order), and both store the token exactly."""
+    x = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(8))
+    x[0, 0, 2] = 0.75
+    got = tk.quantize(x, "int4", "token", 32, outliers=10)
+    assert got.outlier_index[0, 0, 2].tolist() == [0, 1, 2, 3]
+    want = ref.quantize(x, "int4", "token", 32, outliers=10)
+    torch.testing.assert_close(ref.dequantize(got), ref.dequantize(want), rtol=0, atol=0)
+    # keys: a value dominating its channel's block scores exactly (G - 1) / sqrt(G) = 3.75 (G = 16); two such
+    # channels in one token tie, and the kernel keeps the lower one
+    keys = torch.randn(1, 1, 16, 32, generator=torch.Generator().manual_seed(9))
+    keys[0, 0, 4, 9] = keys[0, 0, 4, 20] = 3e4
+    got = tk.quantize(keys, "int4", "channel", 16, outliers=1)
+    assert got.outlier_index[0, 0, 4].tolist() == [9]
+    score = ref.outlier_picks(keys, "channel", 16, 32)  # every channel, highest score first
+    picked = ref.quantize(keys, "int4", "channel", 16, outliers=1).outlier_index[0, 0, 4, 0]
+    assert int(picked) in (9, 20) and set(score[0, 0, 4, :2].tolist()) == {9, 20}
+
+
+def test_supports_quantize_methods_refuses_the_rest(tk):
+    lv = _levels(3, 1)
+    assert not tk.supports_quantize_methods("fp8_e4m3", "token", 32, 32, outliers=1)  # fp8 with methods
+    assert not tk.supports_quantize_methods("nuq3", "token", 32, 32)  # no codebook
+    assert not tk.supports_quantize_methods("nuq3", "token", 32, 32, levels=lv, outliers=20)  # 7 > MAX_OUTLIERS
+    assert not tk.supports_quantize_methods("nuq3", "channel", 8, 32, levels=lv, outliers=1)  # unreplicated sum
+    assert not tk.supports_quantize_methods("int3", "token", 16, 80)
+    assert kvquant.quantize(torch.randn(1, 1, 16, 32), "fp8_e4m3", "token", 32, outliers=3.0).outlier_delta is not None
+
+
+@pytest.mark.parametrize("spec", ["nuq3:o1:g16:r16:s2", "nvfp4:g16:r16:s1", "nuq4:o1:prerope:g16:r16"])
+def test_cache_append_on_the_triton_backend_stores_the_torch_bytes(tk, monkeypatch, spec):
+    """QuantizedKVCache appends (prefill, then tokens one at a time) on KVDEMO_BACKEND=triton reach the method
+    kernels (a spy counts them) and store byte-identical tensors to the torch backend's."""
+    module = getattr(tk, "_module", tk)
+    calls = []
+    real = module._quantize_methods
+
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_quantize_methods", spy)
+    g = torch.Generator().manual_seed(11)
+    chunks = [_method_input((1, 2, 37, 32), seed=12, huge=300.0)] + [
+        torch.randn(1, 2, 1, 32, generator=g) for _ in range(20)
+    ]
+    rope = _rope(32) if "prerope" in spec else None
+    stored = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        cache = QuantizedKVCache(spec, num_layers=1, rope=rope)
+        for k in chunks:
+            cache.update(k.to(DEVICE), (k.flip(-1) * 0.5).to(DEVICE), 0)
+        stored[backend] = _to(cache.layers[0].packed(), "cpu")
+    assert len(calls) >= 4 and len(calls) % 2 == 0  # keys and values of every flushed block
+    for part in ("keys", "values"):
+        want, got = getattr(stored["torch"], part), getattr(stored["triton"], part)
+        _assert_same_bytes(want.quantized, got.quantized)
+        assert torch.equal(want.sinks, got.sinks) and torch.equal(want.residual, got.residual)

@@ -338,7 +338,7 @@ def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             word = levels if per_byte == 2 else levels.half()  # 4 bits: 2 fp32 levels; 2 bits: 4 fp16 levels (exact)
             words = word.contiguous().view(torch.int64).view(256)
             *lead, width = q.codes.shape
-            vals = words.index_select(0, q.codes.reshape(-1).long()).view(word.dtype).float()
+            vals = words.index_select(0, q.codes.int().view(-1)).view(word.dtype).float()
             return vals.view(*lead, width * per_byte), _byte_order(width, per_byte, q.codes.device)
         codes = unpack(q.codes, bits)
         return table.index_select(0, codes.view(-1).long()).view(codes.shape), None
