@@ -22,7 +22,6 @@ RoPE); the embedded model's ships in assets/codebooks. A model without a file ge
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .precision import CODE_BITS, PrecisionSpec
+from .precision import CODE_BITS, PrecisionSpec, outlier_cap
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "codebooks"
 BITS = (2, 3, 4)
@@ -93,7 +92,7 @@ def normalized_samples(x: torch.Tensor, fisher: torch.Tensor, part: str, outlier
     from .quant.reference import _grouped, _mask, _nuq_scale, _ranges, outlier_picks
 
     d = x.shape[-1]
-    cap = math.ceil(outliers / 100 * d - 1e-9) if outliers else 0
+    cap = outlier_cap(outliers, d)
     x = x.float()
     if part == "key":
         t = x.shape[-2] // group * group

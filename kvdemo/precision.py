@@ -61,6 +61,12 @@ DEFAULT_RESIDUAL = 128
 DEFAULT_SINKS = 0  # `:s4` keeps 4 sink tokens; off by default so the default ratios are the bits alone
 
 
+def outlier_cap(outliers: float, head_dim: int) -> int:
+    """Sparse outliers per token and head at `outliers` percent: ceil(pct / 100 x head_dim), 0 without (the one
+    count the spec, the quantizers and the codebook fit share)."""
+    return math.ceil(outliers / 100 * head_dim - 1e-9) if outliers else 0
+
+
 @dataclass(frozen=True)
 class PrecisionSpec:
     key_format: str = "full"
@@ -135,7 +141,7 @@ class PrecisionSpec:
 
     def outlier_cap(self, head_dim: int) -> int:
         """Sparse outliers stored per token and head, for keys and for values alike (0: none)."""
-        return math.ceil(self.outliers / 100 * head_dim - 1e-9) if self.outliers else 0
+        return outlier_cap(self.outliers, head_dim)
 
     def codebook_levels(self) -> dict:
         """Codebook entries per layer (fp16 each) of keys and values: 2^bits for nuq formats, else 0."""

@@ -36,10 +36,11 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), QuaRot (arXiv 2
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
+
+from ..precision import outlier_cap
 
 FP16_MAX = 65504.0
 MIN_SCALE = 1e-6  # fp16-representable, keeps (x - zero) / scale finite for constant groups
@@ -177,17 +178,13 @@ def quantize(
     if x.dim() != 4:
         raise ValueError(f"expected [B, H, T, D], got shape {tuple(x.shape)}")
     d = x.shape[-1]
-    xf = torch.nan_to_num(x.float(), nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX).clamp(-FP16_MAX, FP16_MAX)
-    if rope is not None:
-        xf = rope.undo(xf, start)
-    if rotation is not None:
-        xf = xf @ rotation.to(xf.device)
+    xf = turned(x, rotation, rope, start)
     extras = {"rotation": rotation, "rope": rope, "start": start}
     if fmt == "nvfp4":
         return _quantize_nvfp4(xf, block or x.shape[-2], extras)
     g = _grouped(xf, axis, group)
     red = -2 if axis == "channel" else -1
-    cap = math.ceil(outliers / 100 * d - 1e-9) if outliers else 0
+    cap = outlier_cap(outliers, d)
     picks = outlier_picks(xf, axis, group, cap) if cap else None  # [B, H, T, cap] channels kept exact
     if fmt in FP8_DTYPES:
         amax = g.abs().amax(dim=red, keepdim=True)
@@ -227,6 +224,17 @@ def quantize(
         q.outlier_index = picks.to(torch.uint8)
         q.outlier_delta = (xf - _dense(q)).gather(-1, picks).half()
     return q
+
+
+def turned(x: torch.Tensor, rotation: torch.Tensor | None = None, rope=None, start: int = 0) -> torch.Tensor:
+    """x cleaned up (NaN -> 0, clamped to the fp16 range) in fp32, then turned into the stored space: RoPE undone
+    (pre-RoPE keys, positions start + row), then rotated (x @ rotation)."""
+    xf = torch.nan_to_num(x.float(), nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX).clamp(-FP16_MAX, FP16_MAX)
+    if rope is not None:
+        xf = rope.undo(xf, start)
+    if rotation is not None:
+        xf = xf @ rotation.to(xf.device)
+    return xf
 
 
 def outlier_picks(x: torch.Tensor, axis: str, group: int, cap: int) -> torch.Tensor:

@@ -63,7 +63,6 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), FlashAttention-
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import replace
 
@@ -71,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..precision import outlier_cap
 from . import interpreting, reference
 from .reference import FP16_MAX, INT_BITS, MIN_SCALE, QuantizedTensor
 
@@ -980,11 +980,6 @@ def _quantize_nvfp4_kernel(
         tl.store(scale_ptr + row[:, None] * NG + cols, s_bits.to(tl.uint8), mask=ok[:, None])
 
 
-def _cap(outliers: float, head_dim: int) -> int:
-    """Outliers per token, as reference.quantize counts them."""
-    return math.ceil(outliers / 100 * head_dim - 1e-9) if outliers else 0
-
-
 def method_tile(fmt: str, axis: str, group: int, head_dim: int, outliers: bool = False) -> tuple[int, int]:
     """(BLOCK_T, warps) of the method kernels: a key block (axis "channel"; with outliers it is read in
     pieces of BLOCK_T rows), else QUANT_TILE // 2 elements of whole rows (nvfp4: a block's rows at a time); warps grow with the tile (about 32 values of
@@ -1021,7 +1016,7 @@ def supports_quantize_methods(
         return False
     if fmt == "nvfp4":
         return True  # nvfp4 has no outliers, groups or axis of its own (16 channels per token)
-    cap = _cap(outliers, head_dim)
+    cap = outlier_cap(outliers, head_dim)
     if axis not in ("channel", "token") or not _pow2(group) or cap > MAX_OUTLIERS:
         return False
     if axis == "token" and (group > head_dim or (reference.code_bits(fmt) == 3 and head_dim < 16)):
@@ -1029,28 +1024,17 @@ def supports_quantize_methods(
     return not (cap and axis == "channel" and group not in OUTLIER_GROUPS)
 
 
-def _turned(x: torch.Tensor, rotation, rope, start: int) -> torch.Tensor | None:
-    """reference.quantize's clean-up and turns (undo RoPE, rotate) with its very torch ops; None without turns
-    (the kernels clean x up themselves)."""
-    if rotation is None and rope is None:
-        return None
-    xf = torch.nan_to_num(x.float(), nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX).clamp(-FP16_MAX, FP16_MAX)
-    if rope is not None:
-        xf = rope.undo(xf, start)
-    if rotation is not None:
-        xf = xf @ rotation.to(xf.device)
-    return xf
-
-
 def _quantize_methods(x, fmt, axis, group, levels, outliers, rotation, rope, start, block) -> QuantizedTensor:
     """`quantize` for calls `supports_quantize_methods` takes: the same bytes as reference.quantize."""
     b, h, t, d = x.shape
     if axis == "channel" and fmt != "nvfp4" and t % group:
         raise ValueError(f"{t} tokens is not a whole number of {group}-token groups")
-    turned = _turned(x, rotation, rope, start)
+    # reference.turned's ops where x is turned; unturned x is cleaned up inside the kernels (CLEAN)
+    turned = None if rotation is None and rope is None else reference.turned(x, rotation, rope, start)
     xin = x if turned is None else turned
     extras = dict(rotation=rotation, rope=rope, start=start)
-    rows, warps = method_tile(fmt, axis, group, d, bool(_cap(outliers, d)))
+    bits, cap = reference.code_bits(fmt), outlier_cap(outliers, d)
+    rows, warps = method_tile(fmt, axis, group, d, bool(cap))
     if fmt == "nvfp4":
         block = block or t
         n_blocks = (start + t - 1) // block - start // block + 1 if t else 0
@@ -1063,7 +1047,6 @@ def _quantize_methods(x, fmt, axis, group, levels, outliers, rotation, rope, sta
                 D=d, CLEAN=turned is None, BLOCK_T=rows, num_warps=warps, enable_fp_fusion=False,
             )  # fmt: skip
         return QuantizedTensor(codes, scale, None, fmt, "token", 16, d, tensor_scale=ts, block=block, **extras)
-    bits, cap = reference.code_bits(fmt), _cap(outliers, d)
     codes = torch.empty((b, h, t, d * bits // 8), dtype=torch.uint8, device=x.device)
     scale = torch.empty(_meta_shape(x, axis, group), dtype=torch.float16, device=x.device)
     zero = None if fmt.startswith("nuq") and axis == "token" else torch.empty_like(scale)
