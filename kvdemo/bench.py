@@ -323,11 +323,14 @@ def decode_speed(
     rounds: int = 5,
     on_progress=None,
 ) -> dict:
-    """Greedy decode tokens/s after a `context`-token prompt of held-out text, every precision in one run:
-    each cache is prefilled once, then `rounds` rounds of `steps` steps go round-robin over the caches, so
-    load on the machine hits every precision alike. Per precision the median round, and its ratio to the
-    first precision's ({"context", "steps", "rounds", "results": [{"precision", "tokens_per_s",
-    "vs_first"}]})."""
+    """Greedy decode tokens/s after a `context`-token prompt of held-out text, every precision in one run.
+
+    Each cache is prefilled once and warmed by one untimed step; then `rounds` x `steps` steps go round-robin
+    one step at a time over the caches, so each precision's step i runs within a second of the others' step
+    i and load on the machine (which drifts over seconds here) hits them alike. Per precision: tokens/s from
+    the median step time, and `vs_first`, the median over steps of (first precision's step time / this
+    one's) for the steps taken side by side ({"context", "steps", "rounds", "protocol", "results":
+    [{"precision", "tokens_per_s", "vs_first"}]})."""
     from .texts import held_out_ids
 
     specs = [parse_precision(p) for p in precisions]
@@ -337,17 +340,27 @@ def decode_speed(
         if on_progress is not None:
             on_progress(f"decode speed: prefill {context} tokens at {spec.label}")
         cache = runner.new_cache(lm, spec)
-        live.append([cache, runner.prefill(lm, ids, cache, mode="exact"), []])
-    for _ in range(rounds):
+        logits = runner.prefill(lm, ids, cache, mode="exact")
+        _, logits = decode_steps(lm, cache, logits, 1)  # warm-up, untimed
+        live.append([cache, logits, []])
+    for _ in range(rounds * steps):
         for entry in live:
-            seconds, entry[1] = decode_steps(lm, entry[0], entry[1], steps)
+            seconds, entry[1] = decode_steps(lm, entry[0], entry[1], 1)
             entry[2].append(seconds)
-    results = []
-    for spec, (_, _, times) in zip(specs, live, strict=True):
-        results.append({"precision": spec.label, "tokens_per_s": round(steps / statistics.median(times), 3)})
-    for r in results:
-        r["vs_first"] = round(r["tokens_per_s"] / results[0]["tokens_per_s"], 3)
-    return {"context": context, "steps": steps, "rounds": rounds, "results": results}
+    first = live[0][2]
+    results = [
+        {
+            "precision": spec.label,
+            "tokens_per_s": round(1.0 / statistics.median(times), 3),
+            "vs_first": round(paired_ratio(first, times), 3),
+        }
+        for spec, (_, _, times) in zip(specs, live, strict=True)
+    ]
+    protocol = (
+        f"{rounds * steps} steps per precision after one warm-up step, interleaved one step at a time; "
+        "tokens/s from the median step, vs_first the median of paired step-time ratios"
+    )
+    return {"context": context, "steps": steps, "rounds": rounds, "protocol": protocol, "results": results}
 
 
 @dataclass

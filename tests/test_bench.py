@@ -181,6 +181,32 @@ def _synthetic(ppl_ours, ppl_theirs, speed_ours, speed_theirs, ratio_ours, ratio
     }
 
 
+def test_decode_speed_interleaves_single_steps_and_pairs_them(monkeypatch):
+    """One untimed warm-up step per cache, then the caches take turns one step at a time; tokens/s comes from
+    the median step and vs_first from the median of the paired (same-turn) ratios, not a ratio of medians."""
+    import kvdemo.texts
+
+    step_s = {"int4": [0.1, 0.1, 0.2, 0.1], "int8": [0.2, 0.1, 0.4, 0.4]}  # each cache's timed steps in turn
+    calls = []
+
+    def one_step(lm, cache, logits, steps):
+        assert steps == 1
+        calls.append(cache)
+        timed = calls.count(cache) - 1  # the first call is the warm-up
+        return (99.0 if timed == 0 else step_s[cache][timed - 1]), logits
+
+    monkeypatch.setattr(kvdemo.texts, "held_out_ids", lambda lm, n: list(range(n)))
+    monkeypatch.setattr(bench.runner, "new_cache", lambda lm, spec: spec.label)
+    monkeypatch.setattr(bench.runner, "prefill", lambda lm, ids, cache, mode: None)
+    monkeypatch.setattr(bench, "decode_steps", one_step)
+    out = bench.decode_speed(None, ["int4", "int8"], context=8, steps=2, rounds=2)
+    assert calls == ["int4", "int8"] + ["int4", "int8"] * 4
+    rows = {r["precision"]: r for r in out["results"]}
+    assert rows["int4"]["tokens_per_s"] == 10.0 and rows["int4"]["vs_first"] == 1.0
+    assert rows["int8"]["tokens_per_s"] == round(1 / 0.3, 3)
+    assert rows["int8"]["vs_first"] == 0.5  # median of 0.5, 1, 0.5, 0.25 (medians alone would say 0.333)
+
+
 def test_goals_are_judged_from_the_numbers():
     met = bench.goals(_synthetic(0.05, -0.2, 6.0, 4.9, 3.66, 3.2))
     assert [g["met"] for g in met] == [True, True, True]

@@ -36,9 +36,11 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), QuaRot (arXiv 2
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..precision import outlier_cap
 
@@ -332,35 +334,60 @@ def code_values(q: QuantizedTensor) -> torch.Tensor:
 def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`code_values` in the order the lookup leaves them: (values fp32 [B, H, T, D], order [D] or None) with
     values[..., j] the value of channel order[j] (None: channel order). Codebook formats at 2 and 4 bits are
-    looked up a byte at a time: a 256-entry table whose entry holds the byte's P levels as fp16 bit patterns in
-    one int32 / int64 word (the levels are fp16, so exactly), gathered with a 1-D `index_select` (about 3x
-    faster on CPU than gathering rows of a [256, P] float table). That leaves a byte's P channels side by
-    side; callers that can permute the query (or the output) instead skip the copy."""
+    looked up a byte at a time (`_byte_words`), gathered with a 1-D `index_select` on int64 indices (about 3x
+    faster on CPU than gathering rows of a [256, P] float table; int32 indices are ~1.4x slower than int64
+    there). That leaves a byte's P channels side by side; callers that can permute the query (or the output)
+    instead skip the copy."""
     if q.fmt == "nvfp4" or q.levels is not None:
-        table = _E2M1_SIGNED.to(q.codes.device) if q.fmt == "nvfp4" else q.levels.float()
+        table = _E2M1_SIGNED.to(q.codes.device) if q.fmt == "nvfp4" else q.levels
         bits = code_bits(q.fmt)
         if bits in (2, 4):
             per_byte = 8 // bits
-            byte = torch.arange(256, device=table.device)
-            levels = torch.stack([table[(byte >> (bits * p)) & ((1 << bits) - 1)] for p in range(per_byte)], -1)
-            word = levels if per_byte == 2 else levels.half()  # 4 bits: 2 fp32 levels; 2 bits: 4 fp16 levels (exact)
-            words = word.contiguous().view(torch.int64).view(256)
+            words, dtype = _byte_words(table, bits)
             *lead, width = q.codes.shape
-            vals = words.index_select(0, q.codes.int().view(-1)).view(word.dtype).float()
+            vals = words.index_select(0, q.codes.long().view(-1)).view(dtype).float()
             return vals.view(*lead, width * per_byte), _byte_order(width, per_byte, q.codes.device)
         codes = unpack(q.codes, bits)
-        return table.index_select(0, codes.view(-1).long()).view(codes.shape), None
+        return table.float().index_select(0, codes.view(-1).long()).view(codes.shape), None
     return codes_to_float(q.codes, q.fmt), None
 
 
+_WORDS = WeakIdKeyDictionary()  # levels tensor -> (words, dtype): built once per codebook, not per call
+
+
+def _byte_words(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.dtype]:
+    """A 256-entry int64 table whose entry b holds the levels of byte b's P = 8 // bits codes as bit patterns
+    (4 bits: 2 fp32 levels; 2 bits: 4 fp16 levels, exact as the levels are fp16), and the dtype to view the
+    gathered words as. Cached per levels tensor (a cache's codebooks live as long as the cache)."""
+    hit = _WORDS.get(table)
+    if hit is None or hit[2] != bits:
+        byte = torch.arange(256, device=table.device)
+        levels = table.float()
+        per_byte = 8 // bits
+        levels = torch.stack([levels[(byte >> (bits * p)) & ((1 << bits) - 1)] for p in range(per_byte)], -1)
+        word = levels if per_byte == 2 else levels.half()
+        hit = (word.contiguous().view(torch.int64).view(256), word.dtype, bits)
+        _WORDS[table] = hit
+    return hit[0], hit[1]
+
+
+@functools.lru_cache(maxsize=64)
 def _byte_order(width: int, per_byte: int, device) -> torch.Tensor:
-    """Channel of each position of a byte-wise lookup: position c * P + p holds channel p * width + c."""
+    """Channel of each position of a byte-wise lookup: position c * P + p holds channel p * width + c (cached:
+    callers only read it)."""
     j = torch.arange(width * per_byte, device=device)
     return (j % per_byte) * width + j // per_byte
 
 
+_INVERSES = WeakIdKeyDictionary()  # order -> its inverse permutation (orders come from the cached `_byte_order`)
+
+
 def _inverse(order: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    inverse = _INVERSES.get(order)
+    if inverse is None:
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+        _INVERSES[order] = inverse
+    return inverse
 
 
 _E2M1_SIGNED = torch.tensor(E2M1 + tuple(-m for m in E2M1))  # code -> value: bit 3 is the sign
