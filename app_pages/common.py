@@ -14,9 +14,11 @@ import html
 from collections.abc import Callable
 from typing import TypeVar
 
+import pandas as pd
 import streamlit as st
 import torch
 
+from kvdemo import prefill_modes
 from kvdemo.chat import model_lock, quantized_presets
 from kvdemo.models import DTYPES, LoadedModel, ModelLoadError, load_model
 from kvdemo.precision import (
@@ -458,3 +460,12 @@ def highlighted(before: str, diverged: str, rest: str) -> str:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
+
+
+def prefill_modes_result(title: str, key: str, **modes: dict) -> None:
+    """A prefill-mode comparison: its title, headlines and summary table. modes: `cell=` a needle cell's
+    comparison or `drift=` a drift run's (`kvdemo.prefill_modes`)."""
+    st.markdown(f"**{title}**")
+    for line in prefill_modes.headlines(**modes):
+        st.markdown(line)
+    st.dataframe(pd.DataFrame(prefill_modes.summary_rows(**modes)), hide_index=True, key=key)

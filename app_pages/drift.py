@@ -126,13 +126,10 @@ with st.expander("Compare prefill modes for one precision", expanded="drift_mode
             st.session_state["drift_modes_result"] = result
     modes = st.session_state.get("drift_modes_result")
     if modes is not None:
-        st.markdown(
-            f"**{modes['prompt_tokens']:,}-token prompt ({modes['chunks']} prefill chunks), "
-            f"{modes['new_tokens']} queries**"
+        title = (
+            f"{modes['prompt_tokens']:,}-token prompt ({modes['chunks']} prefill chunks), {modes['new_tokens']} queries"
         )
-        for line in prefill_modes.headlines(drift=modes):
-            st.markdown(line)
-        st.dataframe(pd.DataFrame(prefill_modes.summary_rows(drift=modes)), hide_index=True, key="drift_modes_table")
+        common.prefill_modes_result(title, "drift_modes_table", drift=modes)
 
 out = st.session_state.get("drift_result")
 if out is None:

@@ -251,13 +251,11 @@ with st.expander("Compare prefill modes for one cell", expanded="needle_modes_re
                 st.session_state["needle_modes_result"] = result
     modes = st.session_state.get("needle_modes_result")
     if modes is not None:
-        st.markdown(
-            f"**{modes['kind']} in {modes['haystack']}, {modes['prompt_tokens']:,} tokens "
-            f"({modes['chunks']} prefill chunks), depth {modes['depth']:g}%, seed {modes['seed']}**"
+        title = (
+            f"{modes['kind']} in {modes['haystack']}, {modes['prompt_tokens']:,} tokens "
+            f"({modes['chunks']} prefill chunks), depth {modes['depth']:g}%, seed {modes['seed']}"
         )
-        for line in prefill_modes.headlines(cell=modes):
-            st.markdown(line)
-        st.dataframe(pd.DataFrame(prefill_modes.summary_rows(cell=modes)), hide_index=True, key="needle_modes_table")
+        common.prefill_modes_result(title, "needle_modes_table", cell=modes)
 
 out = st.session_state.get("needle_result")
 cancelled = st.session_state.get("needle_cancelled")
