@@ -358,17 +358,17 @@ _WORDS = WeakIdKeyDictionary()  # levels tensor -> (words, dtype): built once pe
 def _byte_words(table: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.dtype]:
     """A 256-entry int64 table whose entry b holds the levels of byte b's P = 8 // bits codes as bit patterns
     (4 bits: 2 fp32 levels; 2 bits: 4 fp16 levels, exact as the levels are fp16), and the dtype to view the
-    gathered words as. Cached per levels tensor (a cache's codebooks live as long as the cache)."""
+    gathered words as. Cached per levels tensor (its 2^bits entries fix `bits`; a cache's codebooks live as
+    long as the cache)."""
     hit = _WORDS.get(table)
-    if hit is None or hit[2] != bits:
+    if hit is None:
         byte = torch.arange(256, device=table.device)
         levels = table.float()
         per_byte = 8 // bits
         levels = torch.stack([levels[(byte >> (bits * p)) & ((1 << bits) - 1)] for p in range(per_byte)], -1)
         word = levels if per_byte == 2 else levels.half()
-        hit = (word.contiguous().view(torch.int64).view(256), word.dtype, bits)
-        _WORDS[table] = hit
-    return hit[0], hit[1]
+        hit = _WORDS[table] = (word.contiguous().view(torch.int64).view(256), word.dtype)
+    return hit
 
 
 @functools.lru_cache(maxsize=64)
