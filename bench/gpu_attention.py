@@ -647,6 +647,10 @@ class LongWorker:
         env = {k: v for k, v in os.environ.items() if k != "KVDEMO_BACKEND"}
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        if not torch.cuda.is_available():  # peak = VmHWM: freed buffers must leave the heap (see kvdemo.scale)
+            from kvdemo.scale import MALLOC_ENV
+
+            env |= MALLOC_ENV
         cmd = [sys.executable, str(Path(__file__).resolve()), "--long-worker"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         threading.Thread(target=self._read, daemon=True).start()
