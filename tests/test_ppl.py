@@ -85,11 +85,16 @@ def test_ablation_grid_and_its_checks():
         assert specs["int + fp16 sink"].sinks == specs["nuq + 1% + fp16 sink"].sinks == 1
         assert specs["int"].sinks == specs["nuq + 1% outliers"].sinks == 0
         assert specs["nuq + 1% + fp16 sink"].outliers == 1.0
+        whole = specs["nuq + 1% + pre-RoPE + sink"]  # KVQuant's recipe: every method of the row at once
+        assert (whole.key_bits, whole.outliers, whole.pre_rope, whole.sinks) == (b, 1.0, True, 1)
     rows = {"int4": 0.12, "nuq3:o1": 0.4, "int2": 14.5, "nuq2:o1": 8.1, "nuq2:o1:s1": 1.2, "int2:s1": 7.0}
+    rows |= {"nuq3:o1:prerope:s1": 0.11, "nuq2:o1:prerope:s1": 3.0}
     checks = {c["claim"]: c for c in ppl.ablation_checks({k: {"delta_vs_full": v} for k, v in rows.items()})}
     assert not checks["nuq3:o1 delta <= int4 delta"]["holds"]
     assert not checks["nuq2:o1 delta <= 20% of int2 delta"]["holds"]
     assert checks["nuq2:o1:s1 delta <= 20% of int2 delta"]["holds"]
     assert checks["nuq2:o1:s1 delta <= 20% of int2:s1 delta"]["holds"]
     assert checks["nuq2:o1:s1 delta <= 20% of int2:s1 delta"]["values"] == [1.2, 7.0]
+    assert checks["nuq3:o1:prerope:s1 delta <= int4 delta"]["holds"]
+    assert not checks["nuq2:o1:prerope:s1 delta <= 20% of int2 delta"]["holds"]  # 3.0 > 2.9
     assert ppl.ablation_checks({"int4": {"delta_vs_full": 0.1}}) == []  # a claim needs both of its figures
