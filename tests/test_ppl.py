@@ -89,7 +89,10 @@ def test_ablation_grid_and_its_checks():
         assert (whole.key_bits, whole.outliers, whole.pre_rope, whole.sinks) == (b, 1.0, True, 1)
     rows = {"int4": 0.12, "nuq3:o1": 0.4, "int2": 14.5, "nuq2:o1": 8.1, "nuq2:o1:s1": 1.2, "int2:s1": 7.0}
     rows |= {"nuq3:o1:prerope:s1": 0.11, "nuq2:o1:prerope:s1": 3.0}
-    checks = {c["claim"]: c for c in ppl.ablation_checks({k: {"delta_vs_full": v} for k, v in rows.items()})}
+    kl = {k: v / 30 for k, v in rows.items()} | {"nuq3:o1:prerope:s1": 0.005}  # the KL disagrees on one claim
+    measured = {k: {"delta_vs_full": v, "logit_kl": kl[k]} for k, v in rows.items()}
+    checks = {c["claim"]: c for c in ppl.ablation_checks(measured)}
+    assert len(checks) == 12  # six claims, each on the delta and on the KL
     assert not checks["nuq3:o1 delta <= int4 delta"]["holds"]
     assert not checks["nuq2:o1 delta <= 20% of int2 delta"]["holds"]
     assert checks["nuq2:o1:s1 delta <= 20% of int2 delta"]["holds"]
@@ -97,4 +100,9 @@ def test_ablation_grid_and_its_checks():
     assert checks["nuq2:o1:s1 delta <= 20% of int2:s1 delta"]["values"] == [1.2, 7.0]
     assert checks["nuq3:o1:prerope:s1 delta <= int4 delta"]["holds"]
     assert not checks["nuq2:o1:prerope:s1 delta <= 20% of int2 delta"]["holds"]  # 3.0 > 2.9
+    assert checks["nuq3:o1:prerope:s1 logit KL <= int4 logit KL"]["holds"] is False  # 0.005 > 0.004
+    assert checks["nuq2:o1:s1 logit KL <= 20% of int2:s1 logit KL"]["values"] == [1.2 / 30, 7.0 / 30]
+    assert not checks["nuq2:o1:prerope:s1 logit KL <= 20% of int2 logit KL"]["holds"]
     assert ppl.ablation_checks({"int4": {"delta_vs_full": 0.1}}) == []  # a claim needs both of its figures
+    delta_only = ppl.ablation_checks({k: {"delta_vs_full": v} for k, v in rows.items()})  # a report without KL
+    assert [c["claim"] for c in delta_only] == [c for c in checks if " delta " in c]

@@ -96,8 +96,9 @@ def markdown_table(out: dict) -> str:
 
 
 def ablation_markdown(out: dict) -> str:
-    """README's ablation table: perplexity delta vs full precision at `tokens`, bits/element and ratio vs 16-bit
-    under each (as stored after scoring: the residual window's full-precision tokens included)."""
+    """README's ablation table: perplexity delta vs full precision at `tokens`, the logit KL vs full precision,
+    bits/element and ratio vs 16-bit under each (as stored after scoring: the residual window's full-precision
+    tokens included)."""
     cols = out["columns"]
     lines = ["| bits | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for row in out["rows"]:
@@ -107,7 +108,8 @@ def ablation_markdown(out: dict) -> str:
             cells.append(
                 "-"
                 if r is None
-                else f"{r['delta_vs_full']:+.3f}<br>{r['bits_per_element']:.2f} b, {r['ratio_vs_fp16']:.2f}x"
+                else f"{r['delta_vs_full']:+.3f}<br>KL {r['logit_kl']:.2e}<br>{r['bits_per_element']:.2f} b, "
+                f"{r['ratio_vs_fp16']:.2f}x"
             )
         lines.append(f"| {row['bits']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
