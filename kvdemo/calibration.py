@@ -1,9 +1,13 @@
 """Fit a model's nuq codebooks and write them where kvdemo finds them: `python -m kvdemo calibrate` and the
 sidebar's "Calibrate codebooks for this model" button both go through `calibrate_to_file`.
 
-The fitting itself is `codebooks.calibrate` (one forward and one backward pass over the bundled prose);
+The fitting itself is `codebooks.calibrate` (one forward and one backward pass over calibration text);
 this adds the choices around it: how many tokens (at most the model's context, at least one key block),
-which ids (random ones for a random-weights model, whose tokenizer has no text), where the file goes
+which text (`text`: the bundled prose by default; a document of the user's own, txt / md / pdf / docx / html,
+so the levels fit the kind of text the model will hold; or HELD_OUT, the bench's held-out text, the very
+text `kvdemo ppl` scores: codebooks fitted there are the best any calibration could give that score, which
+tells whether the calibration or the format limits a nuq precision), random ids for a random-weights model
+(its tokenizer has no text), where the file goes
 (`codebooks.user_dir()`, searched before the shipped files), and a model left as it was found (no weight
 gradients kept). Mistakes a user can make raise ValueError with the reason.
 """
@@ -31,22 +35,55 @@ def default_tokens(lm) -> int:
     return min(codebooks.CALIB_TOKENS, lm.max_context)
 
 
-def calibration_ids(lm, tokens: int) -> list[int]:
-    """`tokens` token ids of the calibration text (the bundled prose, not the held-out perplexity text);
+PROSE = "prose"  # the default calibration text
+HELD_OUT = "held-out"  # the perplexity's scored text: an oracle fit, not a calibration to ship
+TEXT_LABELS = {
+    PROSE: "kvdemo.texts.prose (Pride and Prejudice)",
+    HELD_OUT: "kvdemo.texts.held_out (Sense and Sensibility): the text kvdemo ppl scores, an oracle fit",
+}
+
+
+def calibration_ids(lm, tokens: int | None, text: str = PROSE) -> tuple[list[int], str]:
+    """(token ids, what they are) of the calibration text: `tokens` of them (None: `default_tokens`, or the whole
+    document when it is shorter). text: PROSE, HELD_OUT, or the path of a document (its first `tokens` tokens);
     seeded random ids for a random-weights model, whose ids stand for no text."""
     from .models import IdsOnlyTokenizer
 
+    text = text or PROSE
+    if text not in TEXT_LABELS:
+        return _document_ids(lm, tokens, text)
+    tokens = default_tokens(lm) if tokens is None else int(tokens)
+    _check_length(lm, tokens)
+    if isinstance(lm.tokenizer, IdsOnlyTokenizer):
+        vocab = int(lm.config.vocab_size)
+        gen = torch.Generator().manual_seed(RANDOM_SEED)
+        return torch.randint(1, vocab, (tokens,), generator=gen).tolist(), f"random ids (seed {RANDOM_SEED})"
+    from .texts import held_out_ids, prose_ids
+
+    return (prose_ids if text == PROSE else held_out_ids)(lm, tokens), TEXT_LABELS[text]
+
+
+def _document_ids(lm, tokens: int | None, path: str) -> tuple[list[int], str]:
+    """The first `tokens` tokens of the document at `path` (all of it, up to `default_tokens`, when None)."""
+    from .documents import extract_file
+    from .models import IdsOnlyTokenizer
+
+    if isinstance(lm.tokenizer, IdsOnlyTokenizer):
+        raise ValueError(f"{lm.name} has random weights and no tokenizer: it cannot calibrate on a document")
+    doc = extract_file(path)  # DocumentError (a ValueError) for a missing, oversized or unreadable file
+    ids = list(lm.tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+    want = min(default_tokens(lm), len(ids)) if tokens is None else int(tokens)
+    if len(ids) < want:
+        raise ValueError(f"{doc.name} has {len(ids):,} tokens; {want:,} calibration tokens were asked for")
+    _check_length(lm, want)
+    return ids[:want], f"{doc.name} (a document, its first {want:,} tokens)"
+
+
+def _check_length(lm, tokens: int) -> None:
     if tokens < MIN_TOKENS:
         raise ValueError(f"calibration needs at least {MIN_TOKENS} tokens (one block of keys), got {tokens}")
     if tokens > lm.max_context:
         raise ValueError(f"{tokens} calibration tokens exceed the model's context ({lm.max_context})")
-    if isinstance(lm.tokenizer, IdsOnlyTokenizer):
-        vocab = int(lm.config.vocab_size)
-        gen = torch.Generator().manual_seed(RANDOM_SEED)
-        return torch.randint(1, vocab, (tokens,), generator=gen).tolist()
-    from .texts import prose_ids
-
-    return prose_ids(lm, tokens)
 
 
 def calibrate_to_file(
@@ -54,12 +91,18 @@ def calibrate_to_file(
     tokens: int | None = None,
     out: str | Path | None = None,
     on_progress: Callable[[str, float], None] | None = None,
+    text: str = PROSE,
 ) -> dict:
-    """Fit every nuq codebook of `lm` over `tokens` tokens (default: 2,048 or the model's context) and save
-    them to `out` (default `default_path(lm)`) -> {"model", "source", "path", "tensors", "bytes", "seconds",
-    "tokens", "layers"}. The model's weights take no gradients (`codebooks.capture`), only the keys and values."""
-    tokens = default_tokens(lm) if tokens is None else int(tokens)
-    ids = calibration_ids(lm, tokens)
+    """Fit every nuq codebook of `lm` over `tokens` tokens of `text` (`calibration_ids`; default: 2,048 of the
+    bundled prose, or the model's context) and save them to `out` (default `default_path(lm)`) -> {"model",
+    "source", "path", "tensors", "bytes", "seconds", "tokens", "layers", "text"}. The model's weights take no
+    gradients (`codebooks.capture`), only the keys and values."""
+    if text == HELD_OUT and not out:
+        raise ValueError(
+            "the held-out text is what kvdemo ppl scores (an oracle fit): give an output file, so the fit does "
+            "not replace the model's codebooks"
+        )
+    ids, label = calibration_ids(lm, tokens, text)
     path = Path(out).expanduser() if out else default_path(lm)
     if path.exists() and path.is_dir():
         raise ValueError(f"{path} is a folder: give a file name (e.g. {path / codebooks.file_name(lm.source)})")
@@ -71,6 +114,7 @@ def calibrate_to_file(
     except (RuntimeError, KeyError, IndexError) as err:  # an architecture the capture hook does not fit
         raise ValueError(f"calibration failed on {lm.name}: {err}") from err
     seconds = time.perf_counter() - t0
+    books.metadata["calibration_text"] = label
     try:
         books.save(path)
     except OSError as err:
@@ -84,4 +128,5 @@ def calibrate_to_file(
         "seconds": round(seconds, 2),
         "tokens": len(ids),
         "layers": lm.num_layers,
+        "text": label,
     }

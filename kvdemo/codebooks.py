@@ -21,7 +21,6 @@ RoPE); the embedded model's ships in assets/codebooks. A model without a file ge
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -271,10 +270,27 @@ def for_model(lm) -> Codebooks:
     return books
 
 
+def from_file(lm, path: str | Path) -> Codebooks:
+    """The codebooks in the file at `path` for `lm` (ValueError with the reason when the file is missing, is
+    not a codebook file, or was fitted on a model with another layer count)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"codebook file not found: {path}")
+    try:
+        books = Codebooks.load(path)
+    except Exception as err:  # safetensors raises its own error types for a file that is not one of its
+        raise ValueError(f"{path} is not a codebook file (safetensors): {err}") from err
+    layers = books.metadata.get("layers")
+    if not books.fitted or layers not in (None, str(lm.num_layers)):
+        raise ValueError(f"{path} holds codebooks of a {layers}-layer model; {lm.name} has {lm.num_layers} layers")
+    return books
+
+
 def describe(books: Codebooks) -> str:
     if not books.fitted:
         return "NormalFloat levels (no calibration file for this model)"
     m = books.metadata
+    text = f" of {m['calibration_text']}" if m.get("calibration_text") else ""
     return (
-        f"fitted on {m.get('calibration_tokens', '?')} tokens, {m.get('date', '?')} ({json.dumps(m.get('seconds'))} s)"
+        f"fitted on {m.get('calibration_tokens', '?')} tokens{text}, {m.get('date', '?')} ({m.get('seconds', '?')} s)"
     )

@@ -146,11 +146,14 @@ def run_ppl(
     chunk: int = DECODE_MAX_QUERIES,
     kl_every: int = 4,
     on_progress: Callable[[str], None] | None = None,
+    codebooks=None,
 ) -> dict:
     """Perplexity at `tokens` tokens of the held-out text at each KV precision (full precision always runs
     first, as the reference), with the cache's size after scoring on the 16-bit basis (kvdemo.sizes):
     {"model", "tokens", "prefix", "chunk", "basis", "results": [{"precision", "ppl", "delta_vs_full",
-    "logit_kl", "bits_per_element", "ratio_vs_fp16", "live_bytes"}]}."""
+    "logit_kl", "bits_per_element", "ratio_vs_fp16", "live_bytes"}]}, and "codebooks" (what the nuq
+    precisions' levels were fitted on) when there are any. codebooks: a `codebooks.Codebooks` for the nuq
+    precisions (default: the model's own)."""
     from .memory import fp16_cache_bytes
     from .sizes import SERVE_BITS, dtype_name, from_nbytes
     from .texts import held_out_ids
@@ -158,7 +161,7 @@ def run_ppl(
     if tokens > lm.max_context:
         raise ValueError(f"--tokens {tokens} exceeds the model's context ({lm.max_context})")
     specs = [parse_precision("full")] + [s for s in map(parse_precision, precisions) if s.label != "full"]
-    caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s)) for s in specs]
+    caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s, codebooks)) for s in specs]
     text = held_out_ids(lm, tokens)
     results = []
     for name, scored in score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress):
@@ -179,7 +182,7 @@ def run_ppl(
         )
     for r in results:
         r["delta_vs_full"] = round(r["ppl"] - results[0]["ppl"], 4)
-    return {
+    out = {
         "model": lm.name,
         "tokens": tokens,
         "prefix": prefix,
@@ -189,6 +192,11 @@ def run_ppl(
         "live_bytes as stored",
         "results": results,
     }
+    if any(any(s.codebook_levels().values()) for s in specs):
+        from . import codebooks as books
+
+        out["codebooks"] = books.describe(codebooks if codebooks is not None else books.for_model(lm))
+    return out
 
 
 # --- the methods ablation (issue 17): KVQuant's table, on this model --------------------------------
@@ -225,13 +233,14 @@ def run_ablation(
     prefix: int = 1024,
     bits: Sequence[int] = ABLATION_BITS,
     on_progress: Callable[[str], None] | None = None,
+    codebooks=None,
 ) -> dict:
     """`run_ppl` over every cell of the ablation grid in one run (full precision first), and the grid:
     {"columns", "rows": [{"bits", "cells": {column: result row or None}}], "checks"} besides run_ppl's keys.
     checks: the issue's claims on this model, each with the figures it compares and whether it holds."""
     grid = ablation_precisions(bits)
     names = [p for row in grid.values() for p in row.values() if p is not None]
-    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress)
+    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress, codebooks=codebooks)
     by_name = {r["precision"]: r for r in out["results"]}
     out["columns"] = list(ABLATION_COLUMNS)
     out["rows"] = [

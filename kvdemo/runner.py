@@ -46,17 +46,20 @@ def chat_ids(lm: LoadedModel, messages: Sequence[dict], add_generation_prompt: b
     return tok(text + ("\n\nassistant:" if add_generation_prompt else ""), add_special_tokens=True)["input_ids"]
 
 
-def new_cache(lm: LoadedModel, spec: PrecisionSpec | str) -> QuantizedKVCache:
+def new_cache(lm: LoadedModel, spec: PrecisionSpec | str, codebooks=None) -> QuantizedKVCache:
     """An empty cache for `lm` at `spec`, with what its methods need from the model: the rotary embedding
-    (pre-RoPE keys) and the model's nuq codebooks (kvdemo/codebooks.py; NormalFloat when none is fitted).
-    ValueError (a message for the user) when the model cannot take the spec."""
+    (pre-RoPE keys) and nuq codebooks (`codebooks`, a `codebooks.Codebooks`; default: the model's own,
+    kvdemo/codebooks.py, NormalFloat when none is fitted). ValueError (a message for the user) when the model
+    cannot take the spec."""
     spec = parse_precision(spec)
-    rope = codebooks = None
+    rope = None
     if spec.pre_rope:
         from .quant.rotations import Rope
 
         rope = Rope.from_model(lm.model)
-    if any(spec.codebook_levels().values()):
+    if not any(spec.codebook_levels().values()):
+        codebooks = None
+    elif codebooks is None:
         from . import codebooks as books
 
         codebooks = books.for_model(lm)

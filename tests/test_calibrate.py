@@ -66,3 +66,64 @@ def test_cli_mistakes_print_one_line_and_exit_2(tmp_path, capsys, argv, message)
     assert main(["calibrate", "--model", "random", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_held_out_needs_an_out_file_and_a_random_model_no_document(tmp_path, capsys):
+    """The held-out text is what `ppl` scores: its fit must not replace the model's codebooks silently; a
+    random-weights model has no tokenizer to read a document with."""
+    assert main(["calibrate", "--model", "random", "--text", "held-out"]) == 2
+    assert "give an output file" in capsys.readouterr().err
+    doc = tmp_path / "notes.txt"
+    doc.write_text("Some text of the user's own. " * 100)
+    assert main(["calibrate", "--model", "random", "--text", str(doc), "--out", str(tmp_path / "b.safetensors")]) == 2
+    assert "cannot calibrate on a document" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_calibration_texts_of_the_embedded_model(lm, tmp_path):
+    """prose (default), held-out (the scored text itself) and a document: each gives its own ids and says which;
+    a document too short for the tokens asked, or for one key block, is refused with its length."""
+    from kvdemo.calibration import calibration_ids
+    from kvdemo.texts import held_out_ids, prose_ids
+
+    ids, label = calibration_ids(lm, 256)
+    assert ids == prose_ids(lm, 256) and "Pride and Prejudice" in label
+    ids, label = calibration_ids(lm, 256, "held-out")
+    assert ids == held_out_ids(lm, 256) and "oracle" in label
+    doc = tmp_path / "report.md"
+    doc.write_text(("Quarterly figures rose in every region we serve. " * 40).strip())
+    ids, label = calibration_ids(lm, None, str(doc))  # no --tokens: the whole document (it is under 2048)
+    assert ids == lm.tokenizer(doc.read_text(), add_special_tokens=False)["input_ids"] and len(ids) > 256
+    assert label == f"report.md (a document, its first {len(ids):,} tokens)"
+    assert calibration_ids(lm, 128, str(doc))[0] == ids[:128]
+    with pytest.raises(ValueError, match=f"report.md has {len(ids):,} tokens; 4,000"):
+        calibration_ids(lm, 4000, str(doc))
+    doc.write_text("Too short.")
+    with pytest.raises(ValueError, match="at least 128 tokens"):
+        calibration_ids(lm, None, str(doc))
+    with pytest.raises(ValueError, match="file not found"):
+        calibration_ids(lm, None, str(tmp_path / "missing.pdf"))
+
+
+@pytest.mark.model
+def test_calibrating_on_a_document_fits_other_levels_and_says_so(lm, tmp_path, capsys):
+    """The CLI on a document: the file records the text it was fitted on, and the levels are the document's
+    (fitted on other text they differ from the prose's fit over as many tokens)."""
+    doc = tmp_path / "contract.txt"
+    doc.write_text(
+        " ".join(f"Clause {i}: the supplier shall deliver {i * 7} units by day {i % 28 + 1}." for i in range(60))
+    )
+    target = tmp_path / "doc.safetensors"
+    rc = main(["calibrate", "--text", str(doc), "--tokens", "256", "--out", str(target), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = json.loads(captured.out)
+    assert out["tokens"] == 256 and out["text"] == "contract.txt (a document, its first 256 tokens)"
+    books = codebooks.Codebooks.load(target)
+    assert books.metadata["calibration_text"] == out["text"]
+    assert codebooks.describe(books).startswith("fitted on 256 tokens of contract.txt (a document")
+    prose = calibrate_to_file(lm, tokens=256, out=tmp_path / "prose.safetensors")
+    assert "Pride and Prejudice" in prose["text"]
+    other = codebooks.Codebooks.load(tmp_path / "prose.safetensors")
+    assert set(other.tensors) == set(books.tensors)
+    assert any(not torch.equal(books.tensors[k], other.tensors[k]) for k in books.tensors)

@@ -106,3 +106,39 @@ def test_ablation_grid_and_its_checks():
     assert ppl.ablation_checks({"int4": {"delta_vs_full": 0.1}}) == []  # a claim needs both of its figures
     delta_only = ppl.ablation_checks({k: {"delta_vs_full": v} for k, v in rows.items()})  # a report without KL
     assert [c["claim"] for c in delta_only] == [c for c in checks if " delta " in c]
+
+
+def test_codebooks_option_scores_nuq_with_that_file(lm, capsys, tmp_path):
+    """`--codebooks FILE`: the nuq precisions use that file's levels (the model's own levels saved to a file give
+    the same figures; levels squeezed to half their span cost more), the report says what they were fitted
+    on, and a missing file or one of another model is refused with the reason."""
+    from kvdemo import codebooks
+
+    own = codebooks.for_model(lm)
+    own.save(tmp_path / "own.safetensors")
+    squeezed = codebooks.Codebooks({k: v * 0.5 for k, v in own.tensors.items()}, own.metadata | {"date": "squeezed"})
+    squeezed.save(tmp_path / "squeezed.safetensors")
+    argv = ["ppl", "--precision", "int4,nuq4", "--tokens", "256", "--prefix", "64", "--json"]
+    runs = {}
+    for name in ("", "own", "squeezed"):
+        extra = ["--codebooks", str(tmp_path / f"{name}.safetensors")] if name else []
+        extra += ["--out", str(tmp_path / "reports" / f"{name or 'default'}.json")]  # a .json file, not a folder
+        assert main(argv + extra) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+        assert json.loads((tmp_path / "reports" / f"{name or 'default'}.json").read_text()) == runs[name]
+    rows = {name: {r["precision"]: r for r in out["results"]} for name, out in runs.items()}
+    assert rows["own"] == rows[""]  # the same levels, read from a file
+    assert rows["squeezed"]["int4"] == rows[""]["int4"]  # uniform codes take no codebook
+    assert rows["squeezed"]["nuq4"]["logit_kl"] > 2 * rows[""]["nuq4"]["logit_kl"]
+    assert runs[""]["codebooks"] == codebooks.describe(own) and "squeezed" in runs["squeezed"]["codebooks"]
+    assert runs["own"]["command"].endswith(f"--codebooks {tmp_path / 'own.safetensors'}")
+    assert not (tmp_path / "reports" / "ppl.json").exists()
+    assert "codebooks" not in ppl.run_ppl(lm, ["int4"], tokens=256, prefix=64)  # no nuq precision: nothing to say
+    assert main(argv + ["--codebooks", str(tmp_path / "missing.safetensors")]) == 2
+    assert "codebook file not found" in capsys.readouterr().err
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    assert main(argv + ["--codebooks", str(tmp_path / "junk.safetensors")]) == 2
+    assert "is not a codebook file" in capsys.readouterr().err
+    codebooks.Codebooks(own.tensors, own.metadata | {"layers": "2"}).save(tmp_path / "other.safetensors")
+    assert main(argv + ["--codebooks", str(tmp_path / "other.safetensors")]) == 2
+    assert "a 2-layer model" in capsys.readouterr().err

@@ -346,3 +346,20 @@ def test_methods_compile_table_is_the_compile_report():
         r = decode[(fmt, axis)]
         assert int(registers) == r["registers"] and int(spills) == r["spill_stores"] == 0
         assert _printed(issue, r["issue_per_token"])
+
+
+def test_oracle_codebooks_table_is_its_report_beside_the_ablation():
+    """The "is the calibration the limit?" table: the `ppl --codebooks` report (levels fitted on the scored text)
+    beside the ablation's cells with the shipped levels, both scored on the same text (full precision equal)."""
+    from kvdemo.cli.ppl import codebooks_markdown
+
+    oracle, ablation = _report("ppl_oracle_codebooks.json"), _report("ablation.json")
+    table = codebooks_markdown(ablation, oracle, "shipped", "oracle")
+    assert table in README, "README's oracle codebook table differs from its reports"
+    _says_date(README.index(table), oracle["date"])
+    assert oracle["command"] in README and "--codebooks /tmp/oracle/heldout.safetensors" in oracle["command"]
+    assert "calibrate --text held-out --tokens 4096 --out /tmp/oracle/heldout.safetensors" in README
+    assert "the text kvdemo ppl scores" in oracle["codebooks"] and "4096 tokens" in oracle["codebooks"]
+    assert oracle["results"][0]["ppl"] == ablation["results"][0]["ppl"]  # the same text, the same reference
+    kl = {r["precision"]: r["logit_kl"] for r in oracle["results"]}
+    assert kl["nuq3:o1"] > kl["int4"]  # the verdict README states: the 3-bit gap is not the calibration's

@@ -166,7 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the methods grid (int / +pre-RoPE / nuq / +1%% outliers / Hadamard / NVFP4 at 4, 3, 2 bits), the live "
         "memory and decode speed of the new formats, written as ablation.json (ignores --precision)",
     )
-    p.add_argument("--out", default="", help="also write ppl.json (ablation.json with --ablation) into this folder")
+    p.add_argument(
+        "--codebooks",
+        default="",
+        help="a codebook file (kvdemo calibrate --out) for the nuq precisions, in place of the model's own",
+    )
+    p.add_argument(
+        "--out",
+        default="",
+        help="also write the report: into this folder as ppl.json (ablation.json with --ablation), or to this .json",
+    )
     p.set_defaults(func=_lazy("ppl", "run_cli"), text=_lazy("ppl", "format_text"))
 
     p = sub.add_parser("calibrate", help="fit the model's nuq codebooks (KVQuant) and save them where nuq caches look")
@@ -178,7 +187,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument(
-        "--tokens", type=_positive_int, default=None, help="calibration tokens of the bundled prose (default 2048)"
+        "--tokens",
+        type=_positive_int,
+        default=None,
+        help="calibration tokens (default 2048, or all of a shorter document)",
+    )
+    p.add_argument(
+        "--text",
+        dest="calibration_text",  # `text` is the subcommand's formatter (set_defaults below)
+        default="prose",
+        help="prose (the bundled text, default), a document of your own (txt, md, pdf, docx, html), or held-out: the "
+        "text kvdemo ppl scores (an oracle fit, to tell the calibration's limits from the format's; needs --out)",
     )
     p.add_argument("--out", default="", help="the file to write (default: <cache dir>/codebooks/<model>.safetensors)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -27,12 +27,15 @@ def run_cli(args) -> dict:
         print(f"[{fraction:4.0%}] {what}", file=sys.stderr, flush=True)
 
     lm = load(args)
-    return calibrate_to_file(lm, tokens=args.tokens, out=args.out or None, on_progress=progress)
+    return calibrate_to_file(
+        lm, tokens=args.tokens, out=args.out or None, on_progress=progress, text=args.calibration_text
+    )
 
 
 def format_text(out: dict) -> str:
     return (
         f"codebooks of {out['model']} ({out['layers']} layers, {out['tokens']:,} calibration tokens)\n"
+        f"text: {out['text']}\n"
         f"path: {out['path']}\n"
         f"tensors: {out['tensors']}\n"
         f"size: {out['bytes']:,} bytes\n"

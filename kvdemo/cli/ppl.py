@@ -22,21 +22,29 @@ def run_cli(args) -> dict:
         print(message, file=sys.stderr, flush=True)
 
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    books = None
+    if args.codebooks:
+        from ..codebooks import from_file
+
+        books = from_file(lm, args.codebooks)
     if args.ablation:
-        out = run_ablation(lm, args.tokens, args.prefix, on_progress=progress)
+        out = run_ablation(lm, args.tokens, args.prefix, on_progress=progress, codebooks=books)
         out["memory"] = ablation_memory(lm, args.tokens)
         out["decode"] = ablation_speed(lm, args.tokens, progress)
         options, name = f"--ablation --tokens {args.tokens} --prefix {args.prefix}", "ablation.json"
     else:
-        out = run_ppl(lm, parse_precision_list(args.precision), args.tokens, args.prefix, on_progress=progress)
+        precisions = parse_precision_list(args.precision)
+        out = run_ppl(lm, precisions, args.tokens, args.prefix, on_progress=progress, codebooks=books)
         options = f"--precision {args.precision} --tokens {args.tokens} --prefix {args.prefix}"
         name = "ppl.json"
+    if args.codebooks:
+        options += f" --codebooks {args.codebooks}"
     out["command"] = f"python -m kvdemo ppl --model {args.model} {options}"
     out["date"] = datetime.date.today().isoformat()
-    if args.out:
-        folder = Path(args.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(json.dumps(out, indent=2) + "\n")
+    if args.out:  # a folder (the report under its usual name) or a .json file
+        target = Path(args.out) if args.out.endswith(".json") else Path(args.out) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(out, indent=2) + "\n")
     return out
 
 
@@ -78,6 +86,8 @@ def _ppl_text(out: dict) -> str:
             f"{r['bits_per_element']:>11.2f}{r['ratio_vs_fp16']:>10.2f}x"
         )
     lines.append(out["basis"])
+    if "codebooks" in out:
+        lines.append(f"nuq codebooks: {out['codebooks']}")
     return "\n".join(lines)
 
 
@@ -91,6 +101,23 @@ def markdown_table(out: dict) -> str:
         lines.append(
             f"| {r['precision']} | {r['ppl']:.3f} | {r['delta_vs_full']:+.3f} | {r['logit_kl']:.2e} | "
             f"{r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name: str = "other") -> str:
+    """README's table of the precisions of `other` (a `ppl --codebooks FILE` report) beside the same precisions
+    in `own` (a report with the model's own codebooks, e.g. the ablation's), delta and logit KL under each."""
+    by_name = {r["precision"]: r for r in own["results"]}
+    lines = [
+        f"| precision | delta, {own_name} | delta, {other_name} | logit KL, {own_name} | logit KL, {other_name} |",
+        "|---|---|---|---|---|",
+    ]
+    for r in other["results"][1:]:  # full precision takes no codebook
+        o = by_name[r["precision"]]
+        lines.append(
+            f"| {r['precision']} | {o['delta_vs_full']:+.3f} | {r['delta_vs_full']:+.3f} | {o['logit_kl']:.2e} | "
+            f"{r['logit_kl']:.2e} |"
         )
     return "\n".join(lines)
 
