@@ -167,18 +167,31 @@ def _accept_spec(candidate: PrecisionSpec | None, lm: LoadedModel) -> None:
 
 
 def _codebook_section(lm: LoadedModel) -> None:
-    """For a nuq spec: which codebooks the caches use, and a button to fit this model's own when it has none."""
+    """For a nuq spec: which codebooks the caches use; buttons to fit this model's own when it has none and to
+    forget a fit of the user's (back to the shipped file or NormalFloat). `document_picker` offers a fit on the
+    uploaded document."""
     if not any(spec().codebook_levels().values()):
         return
     from kvdemo import codebooks
+    from kvdemo.calibration import default_path, forget_calibration
 
     done = st.session_state.pop("kv_calibrated", None)
     if done is not None:
         st.success(f"Saved {done['tensors']} codebooks to {done['path']} in {done['seconds']:.0f} s.")
     books = codebooks.for_model(lm)
     st.caption(f"nuq codebooks: {codebooks.describe(books)}")
-    if books.fitted or not st.button("Calibrate codebooks for this model", key="kv_calibrate"):
-        return
+    if not books.fitted and st.button("Calibrate codebooks for this model", key="kv_calibrate"):
+        _calibrate(lm)
+    if default_path(lm).is_file():
+        shipped = (codebooks.ASSET_DIR / codebooks.file_name(lm.source)).is_file()
+        label = "Back to the shipped codebooks" if shipped else "Forget this calibration (NormalFloat levels)"
+        if st.button(label, key="kv_forget_calibration"):
+            forget_calibration(lm)
+            st.rerun()
+
+
+def _calibrate(lm: LoadedModel, document: tuple[str, str] | None = None) -> None:
+    """Fit the model's codebooks (on the bundled prose, or on `document`: (name, text)) with a progress bar."""
     from kvdemo.calibration import calibrate_to_file
 
     bar = st.progress(0.0, text="Calibrating: one forward and one backward pass, then the k-means per layer")
@@ -186,7 +199,7 @@ def _codebook_section(lm: LoadedModel) -> None:
     def progress(what: str, fraction: float) -> None:
         bar.progress(min(max(fraction, 0.0), 1.0), text=f"Calibrating: {what}")
 
-    result = run_exclusive(lm, lambda: calibrate_to_file(lm, on_progress=progress))
+    result = run_exclusive(lm, lambda: calibrate_to_file(lm, on_progress=progress, document=document))
     bar.empty()
     if result is not None:
         st.session_state["kv_calibrated"] = result
@@ -380,7 +393,17 @@ def document_picker(lm: LoadedModel, key: str = "doc", replacing_ends: str = "")
     doc = document()
     if doc is not None:
         _document_notes(doc, lm)
+        _fit_on_document(doc, lm, key)
     return doc
+
+
+def _fit_on_document(doc: dict, lm: LoadedModel, key: str) -> None:
+    """For a nuq spec and an uploaded document: fit the model's codebooks on the document's text (KVQuant's
+    calibration on the kind of text the cache will hold; the sidebar says what the levels were fitted on)."""
+    if doc["source"] != "upload" or not any(spec().codebook_levels().values()):
+        return
+    if st.button(f"Fit the nuq codebooks on {doc['name']}", key=f"{key}_calibrate_doc"):
+        _calibrate(lm, (doc["name"], doc["text"]))
 
 
 def _ask_before_replacing(key: str, replacing_ends: str) -> None:

@@ -66,17 +66,28 @@ def calibration_ids(lm, tokens: int | None, text: str = PROSE) -> tuple[list[int
 def _document_ids(lm, tokens: int | None, path: str) -> tuple[list[int], str]:
     """The first `tokens` tokens of the document at `path` (all of it, up to `default_tokens`, when None)."""
     from .documents import extract_file
+
+    _needs_tokenizer(lm)
+    doc = extract_file(path)  # DocumentError (a ValueError) for a missing, oversized or unreadable file
+    return document_ids(lm, tokens, doc.name, doc.text)
+
+
+def document_ids(lm, tokens: int | None, name: str, text: str) -> tuple[list[int], str]:
+    """(ids, label) of a document's text already in memory (the app's upload): its first `tokens` tokens."""
+    _needs_tokenizer(lm)
+    ids = list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    want = min(default_tokens(lm), len(ids)) if tokens is None else int(tokens)
+    if len(ids) < want:
+        raise ValueError(f"{name} has {len(ids):,} tokens; {want:,} calibration tokens were asked for")
+    _check_length(lm, want)
+    return ids[:want], f"{name} (a document, its first {want:,} tokens)"
+
+
+def _needs_tokenizer(lm) -> None:
     from .models import IdsOnlyTokenizer
 
     if isinstance(lm.tokenizer, IdsOnlyTokenizer):
         raise ValueError(f"{lm.name} has random weights and no tokenizer: it cannot calibrate on a document")
-    doc = extract_file(path)  # DocumentError (a ValueError) for a missing, oversized or unreadable file
-    ids = list(lm.tokenizer(doc.text, add_special_tokens=False)["input_ids"])
-    want = min(default_tokens(lm), len(ids)) if tokens is None else int(tokens)
-    if len(ids) < want:
-        raise ValueError(f"{doc.name} has {len(ids):,} tokens; {want:,} calibration tokens were asked for")
-    _check_length(lm, want)
-    return ids[:want], f"{doc.name} (a document, its first {want:,} tokens)"
 
 
 def _check_length(lm, tokens: int) -> None:
@@ -92,17 +103,19 @@ def calibrate_to_file(
     out: str | Path | None = None,
     on_progress: Callable[[str, float], None] | None = None,
     text: str = PROSE,
+    document: tuple[str, str] | None = None,
 ) -> dict:
     """Fit every nuq codebook of `lm` over `tokens` tokens of `text` (`calibration_ids`; default: 2,048 of the
     bundled prose, or the model's context) and save them to `out` (default `default_path(lm)`) -> {"model",
-    "source", "path", "tensors", "bytes", "seconds", "tokens", "layers", "text"}. The model's weights take no
-    gradients (`codebooks.capture`), only the keys and values."""
+    "source", "path", "tensors", "bytes", "seconds", "tokens", "layers", "text"}. document: (name, text) of a
+    document in memory (the app's upload), in place of `text`. The model's weights take no gradients
+    (`codebooks.capture`), only the keys and values."""
     if text == HELD_OUT and not out:
         raise ValueError(
             "the held-out text is what kvdemo ppl scores (an oracle fit): give an output file, so the fit does "
             "not replace the model's codebooks"
         )
-    ids, label = calibration_ids(lm, tokens, text)
+    ids, label = document_ids(lm, tokens, *document) if document else calibration_ids(lm, tokens, text)
     path = Path(out).expanduser() if out else default_path(lm)
     if path.exists() and path.is_dir():
         raise ValueError(f"{path} is a folder: give a file name (e.g. {path / codebooks.file_name(lm.source)})")
@@ -130,3 +143,13 @@ def calibrate_to_file(
         "layers": lm.num_layers,
         "text": label,
     }
+
+
+def forget_calibration(lm) -> Path | None:
+    """Delete the user's codebook file of `lm` (`default_path`), so nuq caches go back to the shipped file (or to
+    NormalFloat levels when none ships); -> the deleted path, or None when there was none."""
+    path = default_path(lm)
+    if not path.is_file():
+        return None
+    path.unlink()
+    return path

@@ -569,3 +569,44 @@ def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatc
     assert not at.exception
     assert any("calibration failed" in e.value and "no attention hook" in e.value for e in at.sidebar.error)
     assert at.session_state["document"]["name"] == doc and not path.exists()
+
+
+def test_fit_codebooks_on_the_uploaded_document_and_go_back(lm, tmp_path, monkeypatch):
+    """With a document uploaded and a nuq spec, a button under it fits the codebooks on its text (the fit faked as above; the CLI test
+    runs a real document fit), says so under the codebooks, and a button forgets that fit: the shipped file again."""
+    from kvdemo import codebooks
+
+    monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    def fake_calibrate(lm, ids=None, bits=codebooks.BITS, on_progress=None):
+        seen.append(list(ids))
+        meta = {"layers": str(lm.num_layers), "calibration_tokens": str(len(ids)), "date": "today", "seconds": "1"}
+        return codebooks.Codebooks(
+            {codebooks.tensor_name(0, "key", 3, False, False): torch.linspace(-1, 1, 8).half()}, meta
+        )
+
+    monkeypatch.setattr(codebooks, "calibrate", fake_calibrate)
+    at = start("app_pages/chat.py")
+    at.sidebar.selectbox(key="kv_preset").set_value("nuq3").run()
+    shipped = next(c.value for c in at.sidebar.caption if c.value.startswith("nuq codebooks:"))
+    assert all(b.key != "doc_calibrate_doc" for b in at.button)  # the bundled sample: nothing to fit on
+    text = " ".join(f"Minutes of meeting {i}: the board approved budget line {i * 3}." for i in range(40))
+    upload(at, "minutes.txt", text.encode())
+    assert at.session_state["document"]["name"] == "minutes.txt"
+    at.button(key="doc_calibrate_doc").click().run()
+    assert not at.exception and not at.sidebar.error, [e.value for e in at.sidebar.error]
+    assert seen == [lm.tokenizer(at.session_state["document"]["text"], add_special_tokens=False)["input_ids"]]
+    path = tmp_path / "codebooks" / "embedded.safetensors"
+    caption = next(c.value for c in at.sidebar.caption if c.value.startswith("nuq codebooks:"))
+    assert path.is_file() and f"of minutes.txt (a document, its first {len(seen[0]):,} tokens)" in caption
+    at.sidebar.button(key="kv_forget_calibration").click().run()
+    assert not at.exception and not path.exists()
+    assert next(c.value for c in at.sidebar.caption if c.value.startswith("nuq codebooks:")) == shipped
+    assert all(b.key != "kv_forget_calibration" for b in at.sidebar.button)
+    assert at.session_state["document"]["name"] == "minutes.txt"  # the document stays
+    upload(at, "memo.txt", b"Lunch is at noon.")  # under one key block of tokens: refused with the reason
+    at.button(key="doc_calibrate_doc").click().run()
+    assert not at.exception and len(seen) == 1 and not path.exists()
+    assert any("at least 128 tokens" in e.value for e in at.error), texts(at, "error")
+    assert at.session_state["document"]["name"] == "memo.txt"
