@@ -281,7 +281,9 @@ def from_file(lm, path: str | Path) -> Codebooks:
     except Exception as err:  # safetensors raises its own error types for a file that is not one of its
         raise ValueError(f"{path} is not a codebook file (safetensors): {err}") from err
     layers = books.metadata.get("layers")
-    if not books.fitted or layers not in (None, str(lm.num_layers)):
+    if not books.fitted:
+        raise ValueError(f"{path} holds no codebooks")
+    if layers not in (None, str(lm.num_layers)):
         raise ValueError(f"{path} holds codebooks of a {layers}-layer model; {lm.name} has {lm.num_layers} layers")
     return books
 

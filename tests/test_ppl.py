@@ -139,6 +139,9 @@ def test_codebooks_option_scores_nuq_with_that_file(lm, capsys, tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     assert main(argv + ["--codebooks", str(tmp_path / "junk.safetensors")]) == 2
     assert "is not a codebook file" in capsys.readouterr().err
+    codebooks.Codebooks({}, {"layers": str(lm.num_layers)}).save(tmp_path / "empty.safetensors")
+    assert main(argv + ["--codebooks", str(tmp_path / "empty.safetensors")]) == 2
+    assert "holds no codebooks" in capsys.readouterr().err
     codebooks.Codebooks(own.tensors, own.metadata | {"layers": "2"}).save(tmp_path / "other.safetensors")
     assert main(argv + ["--codebooks", str(tmp_path / "other.safetensors")]) == 2
     assert "a 2-layer model" in capsys.readouterr().err
