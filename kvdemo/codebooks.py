@@ -288,6 +288,14 @@ def from_file(lm, path: str | Path) -> Codebooks:
     return books
 
 
+def used_by(lm, specs: Sequence[PrecisionSpec], books: Codebooks | None = None) -> str | None:
+    """For a report: what the nuq precisions among `specs` read their levels from (`books`, default the model's
+    own: `describe`), or None when none of them takes a codebook."""
+    if not any(any(s.codebook_levels().values()) for s in specs):
+        return None
+    return describe(books if books is not None else for_model(lm))
+
+
 def describe(books: Codebooks) -> str:
     if not books.fitted:
         return "NormalFloat levels (no calibration file for this model)"

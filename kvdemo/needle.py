@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from . import codebooks as books
 from . import runner, texts
 from .cache import QuantizedKVCache
 from .models import LoadedModel
@@ -460,13 +461,15 @@ class NeedleRow:
         return asdict(self)
 
 
-def transplant(lm: LoadedModel, source: QuantizedKVCache, spec: PrecisionSpec | str) -> QuantizedKVCache:
+def transplant(
+    lm: LoadedModel, source: QuantizedKVCache, spec: PrecisionSpec | str, codebooks=None
+) -> QuantizedKVCache:
     """A cache at `spec` holding `source`'s keys/values, stored as one prefill call would store them.
 
     `source` must hold exact states (full precision) from a single prefill call; the result equals
-    prefilling the same tokens into a fresh `spec` cache in one call.
+    prefilling the same tokens into a fresh `spec` cache in one call. codebooks: as `runner.new_cache`.
     """
-    return runner.transplant(source, new_cache(lm, spec))
+    return runner.transplant(source, new_cache(lm, spec, codebooks))
 
 
 class _AnswerStop:
@@ -550,6 +553,7 @@ def run_cell(
     should_stop: Callable[[], bool] | None = None,
     on_row: Callable[[NeedleRow], None] | None = None,
     prefill_mode: str = "exact",
+    codebooks=None,
 ) -> list[NeedleRow]:
     """Every precision on one prompt: one shared prefill, then per precision suffix + score + answer.
 
@@ -557,6 +561,7 @@ def run_cell(
     full-precision row last, as it reuses the prefilled cache). Stops early (fewer rows) on `should_stop`.
     prefill_mode (runner.PREFILL_MODES): "exact" stores the shared full-precision prefill quantized per
     precision; "chunked" prefills the haystack into each quantized cache chunk by chunk instead.
+    codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own).
     """
     if prefill_mode not in runner.PREFILL_MODES:
         raise NeedleError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(runner.PREFILL_MODES)}")
@@ -575,9 +580,9 @@ def run_cell(
         if not spec.is_quantized:
             cache = full
         elif prefill_mode == "exact":
-            cache = transplant(lm, full, spec)
+            cache = transplant(lm, full, spec, codebooks)
         else:
-            cache = new_cache(lm, spec)
+            cache = new_cache(lm, spec, codebooks)
             prefill(lm, ctx, cache, mode="chunked")
         stop = _AnswerStop(task.kind != "custom", should_stop)
         logprob, tokens, reason = score_and_answer(lm, cache, suffix, prompt.answer_ids, task.max_new_tokens, stop)
@@ -627,9 +632,10 @@ class NeedleResult:
     stopped: str  # "done" | "cancelled"
     notes: list[str] = field(default_factory=list)
     prefill_mode: str = "exact"
+    codebooks: str | None = None  # what the nuq precisions' levels were fitted on (None: no nuq precision)
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "model": self.model,
             "kind": self.kind,
             "prefill_mode": self.prefill_mode,
@@ -644,6 +650,9 @@ class NeedleResult:
             "stopped": self.stopped,
             "notes": self.notes,
         }
+        if self.codebooks is not None:
+            out["codebooks"] = self.codebooks
+        return out
 
 
 def summarize(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[dict]:
@@ -710,9 +719,11 @@ def run_grid(
     on_progress: Callable[[int, int, NeedleRow], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     prefill_mode: str = "exact",
+    codebooks=None,
 ) -> NeedleResult:
     """Every (length, depth) cell at full precision and every precision in `precisions`, same tokens.
-    prefill_mode: how each quantized cache stores the haystack (see `run_cell`).
+    prefill_mode: how each quantized cache stores the haystack (see `run_cell`); codebooks: a
+    `codebooks.Codebooks` for the nuq precisions (default: the model's own).
 
     `document`: the haystack text (a user document); default: the filler for passkey, the bundled prose
     otherwise. `on_progress(done, total, row)` after every row; `should_stop()` ends the run cleanly
@@ -767,7 +778,7 @@ def run_grid(
             if prompt.haystack_copies > 1 and name != "filler":
                 note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
                 notes += [note] if note not in notes else []
-            done = run_cell(lm, task, prompt, specs, should_stop, on_row, prefill_mode)
+            done = run_cell(lm, task, prompt, specs, should_stop, on_row, prefill_mode, codebooks)
             rows += done
             if len(done) < len(specs):
                 stopped = "cancelled"
@@ -787,6 +798,7 @@ def run_grid(
         stopped,
         notes,
         prefill_mode,
+        books.used_by(lm, specs, codebooks),
     )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import codebooks as books
 from . import runner
 from .attention import DECODE_MAX_QUERIES
 from .models import LoadedModel
@@ -192,10 +193,9 @@ def run_ppl(
         "live_bytes as stored",
         "results": results,
     }
-    if any(any(s.codebook_levels().values()) for s in specs):
-        from . import codebooks as books
-
-        out["codebooks"] = books.describe(codebooks if codebooks is not None else books.for_model(lm))
+    described = books.used_by(lm, specs, codebooks)
+    if described is not None:
+        out["codebooks"] = described
     return out
 
 

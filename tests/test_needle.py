@@ -374,6 +374,11 @@ def test_cli_tiny_grid(tmp_path):
         assert {"length", "depth", "precision", "answer", "correct", "answer_logprob"} <= set(r)
         assert r["expected"] == DOC_ANSWER and r["length"] == 300
     assert Path(out["files"]["csv"]).is_file() and Path(out["files"]["json"]).is_file()
+    prov = out["provenance"]  # the command that reproduces the grid, its date and machine
+    assert prov["command"].startswith("python -m kvdemo needle --model embedded --precision int8 --lengths 300")
+    assert f"--kind custom --haystack-file {doc}" in prov["command"] and "--codebooks" not in prov["command"]
+    assert prov["date"] and prov["machine"]["cores"] >= 1 and "codebooks" not in out  # int8 takes no codebook
+    assert json.loads(Path(out["files"]["json"]).read_text())["provenance"] == prov  # the file has it too
     bad = subprocess.run(
         [sys.executable, "-m", "kvdemo", "needle", "--depths", "120"], cwd=ROOT, capture_output=True, text=True
     )
@@ -394,3 +399,28 @@ def test_teacher_forcing_equals_one_by_one_decoding(lm):
         forced = needle.forward_as_decoding(lm, answer, cache)  # [k, V]
         torch.testing.assert_close(forced, steps, atol=1e-3, rtol=1e-4)  # fp32 summation order differs
         assert cache.layers[0].quant_len == one_by_one.layers[0].quant_len
+
+
+@pytest.mark.model
+def test_cli_codebooks_file_is_what_the_nuq_cells_read(lm, tmp_path, capsys):
+    """`needle --codebooks FILE`: the nuq cells use that file's levels (squeezed levels change the answer's
+    log-prob, uniform codes do not move), and the report and its command say so."""
+    from kvdemo import codebooks
+    from kvdemo.cli import main
+
+    own = codebooks.for_model(lm)
+    codebooks.Codebooks({k: v * 0.5 for k, v in own.tensors.items()}, own.metadata | {"date": "squeezed"}).save(
+        tmp_path / "squeezed.safetensors"
+    )
+    argv = ["needle", "--precision", "int4,nuq4", "--lengths", "256", "--depths", "50", "--json"]
+    runs = []
+    for extra in ([], ["--codebooks", str(tmp_path / "squeezed.safetensors")]):
+        assert main(argv + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    logp = [{r["precision"]: r["answer_logprob"] for r in out["rows"]} for out in runs]
+    assert logp[0]["int4"] == logp[1]["int4"] and logp[0]["full"] == logp[1]["full"]
+    assert logp[0]["nuq4"] != logp[1]["nuq4"]
+    assert runs[0]["codebooks"] == codebooks.describe(own) and "squeezed" in runs[1]["codebooks"]
+    assert runs[1]["provenance"]["command"].endswith(f"--codebooks {tmp_path / 'squeezed.safetensors'}")
+    assert main(argv + ["--codebooks", str(tmp_path / "missing.safetensors")]) == 2
+    assert "codebook file not found" in capsys.readouterr().err

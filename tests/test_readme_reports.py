@@ -363,3 +363,22 @@ def test_oracle_codebooks_table_is_its_report_beside_the_ablation():
     assert oracle["results"][0]["ppl"] == ablation["results"][0]["ppl"]  # the same text, the same reference
     kl = {r["precision"]: r["logit_kl"] for r in oracle["results"]}
     assert kl["nuq3:o1"] > kl["int4"]  # the verdict README states: the 3-bit gap is not the calibration's
+
+
+def test_oracle_codebooks_passkey_table_is_its_report_beside_the_passkey_grid():
+    """The passkey grid rerun with the oracle codebooks (`needle --codebooks`), beside the shipped grid's rows."""
+    from kvdemo.cli.needle import codebooks_markdown
+
+    oracle, shipped = _report("needle_passkey_oracle_codebooks.json"), _report("needle_passkey.json")
+    table = codebooks_markdown(shipped, oracle, "shipped", "oracle")
+    assert table in README, "README's oracle passkey table differs from its reports"
+    _says_date(README.index(table), oracle["provenance"]["date"])
+    assert oracle["provenance"]["command"] in README and "--codebooks" in oracle["provenance"]["command"]
+    assert "the text kvdemo ppl scores" in oracle["codebooks"]
+    assert (oracle["lengths"], oracle["depths"], oracle["seed"]) == (
+        shipped["lengths"],
+        shipped["depths"],
+        shipped["seed"],
+    )
+    full = {(r["length"], r["depth"]): r["answer"] for r in oracle["rows"] if r["precision"] == "full"}
+    assert full == {(r["length"], r["depth"]): r["answer"] for r in shipped["rows"] if r["precision"] == "full"}

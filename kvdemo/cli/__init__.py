@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question", default="", help="custom question")
     p.add_argument("--answer", default="", help="custom expected answer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--codebooks",
+        default="",
+        help="a codebook file (kvdemo calibrate --out) for the nuq precisions, in place of the model's own",
+    )
     p.add_argument("--out", default="", help="folder for needle.json and needle.csv")
     _prefill_mode_arg(p, "exact")
     p.set_defaults(func=_lazy("needle", "run_cli"), text=_lazy("needle", "format_text"))

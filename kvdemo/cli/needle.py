@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 from ..needle import NeedleError, _specs_with_full, cell_rng, make_task, parse_numbers, run_grid, save_results
@@ -21,6 +22,7 @@ def read_document(path: str) -> tuple[str, str]:
 def run_cli(args) -> dict:
     """`python -m kvdemo needle --precision ... --lengths ... --depths ... --kind ... [--haystack-file F]
     [--needle T --question T --answer T] [--seed N] [--out DIR] [--prefill-mode exact|chunked]`."""
+    from ..bench import machine_info
     from ..models import load_model
 
     specs = _specs_with_full(args.precision)
@@ -34,6 +36,11 @@ def run_cli(args) -> dict:
     if args.haystack_file:
         name, document = read_document(args.haystack_file)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    books = None
+    if args.codebooks:
+        from ..codebooks import from_file
+
+        books = from_file(lm, args.codebooks)
     result = run_grid(
         lm,
         lengths,
@@ -47,11 +54,51 @@ def run_cli(args) -> dict:
         answer=args.answer,
         seed=args.seed,
         prefill_mode=getattr(args, "prefill_mode", "exact"),
+        codebooks=books,
     )
     out = result.to_dict()
+    out["provenance"] = {
+        "command": _command(args),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_info(lm),
+    }
     if args.out:
-        out["files"] = save_results(result, args.out)
+        out["files"] = save_results(out, args.out)  # with its provenance
     return out
+
+
+def _command(args) -> str:
+    """The command line that reproduces this grid (options at their defaults left out)."""
+    parts = [f"python -m kvdemo needle --model {args.model} --precision {args.precision}"]
+    for flag, value, default in (
+        ("--lengths", args.lengths, "1024,2048,4096"),
+        ("--depths", args.depths, "0,25,50,75,100"),
+        ("--kind", args.kind, "passkey"),
+        ("--seed", args.seed, 0),
+        ("--haystack-file", args.haystack_file, ""),
+        ("--prefill-mode", getattr(args, "prefill_mode", "exact"), "exact"),
+        ("--codebooks", args.codebooks, ""),
+    ):
+        if value != default:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name: str = "other") -> str:
+    """README's table of the quantized precisions of `other` (a `needle --codebooks FILE` report) beside the same
+    precisions in `own` (the same grid with the model's own codebooks): cells found and mean answer log-prob."""
+    by_name = {s["precision"]: s for s in own["summary"]}
+    lines = [
+        f"| precision | found, {own_name} | found, {other_name} | mean log p, {own_name} | mean log p, {other_name} |",
+        "|---|---|---|---|---|",
+    ]
+    for s in other["summary"][1:]:  # full precision takes no codebook
+        o = by_name[s["precision"]]
+        lines.append(
+            f"| {s['precision']} | {o['correct']}/{o['cells']} | {s['correct']}/{s['cells']} | "
+            f"{o['mean_answer_logprob']:.3f} | {s['mean_answer_logprob']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def _depth_label(d: float) -> str:
