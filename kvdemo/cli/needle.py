@@ -85,20 +85,15 @@ def _command(args) -> str:
 
 
 def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name: str = "other") -> str:
-    """README's table of the quantized precisions of `other` (a `needle --codebooks FILE` report) beside the same
-    precisions in `own` (the same grid with the model's own codebooks): cells found and mean answer log-prob."""
-    by_name = {s["precision"]: s for s in own["summary"]}
-    lines = [
-        f"| precision | found, {own_name} | found, {other_name} | mean log p, {own_name} | mean log p, {other_name} |",
-        "|---|---|---|---|---|",
+    """The quantized precisions of `other` (a `needle --codebooks FILE` report) beside the same precisions in
+    `own` (the same grid with the model's own codebooks): cells found and mean answer log-prob under each."""
+    from .ppl import paired_markdown
+
+    measures = [
+        ("found", lambda s: f"{s['correct']}/{s['cells']}"),
+        ("mean log p", lambda s: f"{s['mean_answer_logprob']:.3f}"),
     ]
-    for s in other["summary"][1:]:  # full precision takes no codebook
-        o = by_name[s["precision"]]
-        lines.append(
-            f"| {s['precision']} | {o['correct']}/{o['cells']} | {s['correct']}/{s['cells']} | "
-            f"{o['mean_answer_logprob']:.3f} | {s['mean_answer_logprob']:.3f} |"
-        )
-    return "\n".join(lines)
+    return paired_markdown(own["summary"], other["summary"], measures, own_name, other_name)
 
 
 def _depth_label(d: float) -> str:

@@ -105,21 +105,25 @@ def markdown_table(out: dict) -> str:
     return "\n".join(lines)
 
 
-def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name: str = "other") -> str:
-    """README's table of the precisions of `other` (a `ppl --codebooks FILE` report) beside the same precisions
-    in `own` (a report with the model's own codebooks, e.g. the ablation's), delta and logit KL under each."""
-    by_name = {r["precision"]: r for r in own["results"]}
-    lines = [
-        f"| precision | delta, {own_name} | delta, {other_name} | logit KL, {own_name} | logit KL, {other_name} |",
-        "|---|---|---|---|---|",
-    ]
-    for r in other["results"][1:]:  # full precision takes no codebook
-        o = by_name[r["precision"]]
-        lines.append(
-            f"| {r['precision']} | {o['delta_vs_full']:+.3f} | {r['delta_vs_full']:+.3f} | {o['logit_kl']:.2e} | "
-            f"{r['logit_kl']:.2e} |"
-        )
+def paired_markdown(own_rows, other_rows, measures, own_name: str, other_name: str) -> str:
+    """README's table of `other_rows` beside the rows of the same precision in `own_rows` (two runs of one grid,
+    e.g. with two codebook files; full precision left out, it takes no codebook): each measure (title,
+    format of a row) under each run."""
+    by_name = {r["precision"]: r for r in own_rows}
+    head = [f"{title}, {name}" for title, _ in measures for name in (own_name, other_name)]
+    lines = ["| precision | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for r in other_rows:
+        if r["precision"] != "full":
+            pair = (by_name[r["precision"]], r)
+            lines.append(f"| {r['precision']} | " + " | ".join(fmt(x) for _, fmt in measures for x in pair) + " |")
     return "\n".join(lines)
+
+
+def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name: str = "other") -> str:
+    """The precisions of `other` (a `ppl --codebooks FILE` report) beside the same precisions in `own` (a report
+    with the model's own codebooks, e.g. the ablation's): delta and logit KL under each."""
+    measures = [("delta", lambda r: f"{r['delta_vs_full']:+.3f}"), ("logit KL", lambda r: f"{r['logit_kl']:.2e}")]
+    return paired_markdown(own["results"], other["results"], measures, own_name, other_name)
 
 
 def ablation_markdown(out: dict) -> str:
