@@ -7,6 +7,14 @@ window, so transformers' QuantizedCache quantizes the same tokens kvdemo does). 
 (<= 16, kvdemo's decode path) tokens at a time, so every prediction attends over what the cache stored,
 quantized past included (`token_nll`). ppl[N] = exp(mean NLL) over positions [N/2, N); logit KL against
 full precision's next-token distributions on every `kl_every`-th scored position.
+
+How far one text's figures carry (`resampled_figures`): a paired block bootstrap. The scored positions are
+cut into blocks of `BLOCK` tokens (neighbouring tokens' losses are correlated, so blocks, not tokens, are
+the units); `RESAMPLES` seeded draws of as many blocks, with replacement, are taken once and shared by every
+cache, and each draw gives every cache's perplexity delta and KL. A figure's 95% interval is the middle 95%
+of its draws; a claim comparing two caches is settled when the interval of its difference excludes zero.
+The report keeps the per-block means (`blocks`), so the intervals can be recomputed from it. This is the
+spread over text like this text, not over other models, other kinds of text or other codebooks.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ class Scored:
     ppl: dict[str, float]  # N -> exp(mean NLL) over positions [N/2, N)
     logit_kl: dict[str, float]  # N -> mean KL(full || this) over the kept positions in [N/2, N); 0 for full
     cache: object  # the cache after scoring (it holds every token but the last)
+    nll: torch.Tensor  # [len(text) - prefix] NLL at each scored index i (position prefix + i)
+    kl: torch.Tensor  # [ceil((len(text) - prefix) / kl_every)] KL(full || this) at scored indices 0, kl_every, ...
 
 
 @torch.no_grad()
@@ -135,7 +145,7 @@ def score_caches(
             lo, hi = n // 2 - prefix, n - prefix  # scored indices of positions [N/2, N)
             ppl[str(n)] = math.exp(float(nll[lo:hi].mean()))
             kls[str(n)] = float(kl[-(-lo // kl_every) : -(-hi // kl_every)].mean())
-        yield name, Scored(ppl, kls, cache)
+        yield name, Scored(ppl, kls, cache, nll.double().cpu(), kl.double().cpu())
         del cache, kept
 
 
@@ -165,7 +175,12 @@ def run_ppl(
     caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s, codebooks)) for s in specs]
     text = held_out_ids(lm, tokens)
     results = []
+    lo, hi = tokens // 2 - prefix, tokens - prefix  # scored indices of positions [tokens/2, tokens)
+    blocks = {"size": BLOCK, "resamples": RESAMPLES, "seed": SEED, "nll": {}, "logit_kl": {}}
     for name, scored in score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress):
+        nll_index = torch.arange(len(scored.nll))
+        blocks["nll"][name], blocks["nll_counts"] = block_means(scored.nll, nll_index, lo, hi)
+        blocks["logit_kl"][name], blocks["kl_counts"] = block_means(scored.kl, nll_index[::kl_every], lo, hi)
         stored = scored.cache.get_seq_length()
         size = from_nbytes(scored.cache.nbytes(), lm.dtype)
         fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, stored)
@@ -181,8 +196,11 @@ def run_ppl(
                 "stored_tokens": stored,
             }
         )
+    drawn = resampled_figures(blocks)
     for r in results:
         r["delta_vs_full"] = round(r["ppl"] - results[0]["ppl"], 4)
+        for measure in ("delta_vs_full", "logit_kl"):
+            r[f"{measure}_ci95"] = interval95(drawn[measure][r["precision"]])
     out = {
         "model": lm.name,
         "tokens": tokens,
@@ -192,6 +210,7 @@ def run_ppl(
         "basis": f"bits and ratios at 16 bits for the full-precision parts (the model runs in {dtype_name(lm.dtype)}); "
         "live_bytes as stored",
         "results": results,
+        "blocks": blocks,
     }
     described = books.used_by(lm, specs, codebooks)
     if described is not None:
@@ -250,17 +269,22 @@ def run_ablation(
         }
         for b, row in grid.items()
     ]
-    out["checks"] = ablation_checks(by_name)
+    out["checks"] = ablation_checks(by_name, out["blocks"])
     return out
 
 
-def ablation_checks(by_name: dict) -> list[dict]:
+def ablation_checks(by_name: dict, blocks: dict | None = None) -> list[dict]:
     """The issue's perplexity claims, measured: fewer bits no worse, and 2 bits made usable (as the issue states
     it, with KVQuant's fp16 first token added, against uniform codes given the same sink, and with KVQuant's
     whole recipe: outliers, pre-RoPE keys and the sink). Each claim is checked on the perplexity delta (the
     issue's measure) and again on the logit KL vs full precision over the same positions: the delta of one
     text moves with small changes of the codes, the KL (every kept position's whole next-token distribution)
-    less so, so a claim that holds on both is the one to quote."""
+    less so, so a claim that holds on both is the one to quote.
+
+    blocks (a report's "blocks"): each check also gets the 95% interval of the difference (figure minus its
+    bar) over resampled text, and a verdict: "holds" or "does not hold" when the interval excludes zero,
+    "not settled by this text" when it straddles it."""
+    drawn = None if blocks is None else resampled_figures(blocks)
     checks = []
     claims = (  # (precision, the one it is held to, share of that one's figure it may reach)
         ("nuq3:o1", "int4", 1.0),
@@ -275,5 +299,63 @@ def ablation_checks(by_name: dict) -> list[dict]:
             a, b = (by_name.get(p, {}).get(measure) for p in (nuq, uniform))
             if a is not None and b is not None:
                 bar = f"{uniform} {name}" if share == 1.0 else f"{share:.0%} of {uniform} {name}"
-                checks.append({"claim": f"{nuq} {name} <= {bar}", "values": [a, b], "holds": a <= share * b})
+                check = {"claim": f"{nuq} {name} <= {bar}", "values": [a, b], "holds": a <= share * b}
+                if drawn is not None and nuq in drawn[measure] and uniform in drawn[measure]:
+                    low, high = check["difference_ci95"] = interval95(
+                        drawn[measure][nuq] - share * drawn[measure][uniform]
+                    )
+                    check["verdict"] = (
+                        "holds" if high < 0 else "does not hold" if low > 0 else "not settled by this text"
+                    )
+                checks.append(check)
     return checks
+
+
+# --- how far one text's figures carry: a paired block bootstrap (module docstring) ------------------
+
+BLOCK = 64  # scored positions per block
+RESAMPLES = 2000
+SEED = 0
+
+
+def block_means(values: torch.Tensor, index: torch.Tensor, lo: int, hi: int, block: int = BLOCK):
+    """values [n] at scored indices `index` [n] -> (mean of those in each `block`-index block of [lo, hi), rounded
+    to 6 significant digits; how many each block holds): the per-block figures a report keeps."""
+    keep = (index >= lo) & (index < hi)
+    which = (index[keep] - lo) // block
+    n_blocks = -(-(hi - lo) // block)
+    sums = torch.zeros(n_blocks, dtype=torch.float64).index_add_(0, which, values[keep].double())
+    counts = torch.zeros(n_blocks, dtype=torch.float64).index_add_(
+        0, which, torch.ones(len(which), dtype=torch.float64)
+    )
+    means = sums / counts.clamp(min=1)
+    return [float(f"{m:.6g}") for m in means], [int(c) for c in counts]
+
+
+def resampled_figures(blocks: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """A report's "blocks" -> {"delta_vs_full" | "logit_kl": {precision: [RESAMPLES] figure on each draw}}:
+    the same seeded draws of blocks (with replacement) for every cache; the delta is against the first cache
+    (full precision)."""
+    gen = torch.Generator().manual_seed(blocks["seed"])
+    n_blocks = len(blocks["nll_counts"])
+    draws = torch.randint(0, n_blocks, (blocks["resamples"], n_blocks), generator=gen)
+    times = torch.zeros(blocks["resamples"], n_blocks, dtype=torch.float64)
+    times.scatter_add_(1, draws, torch.ones(draws.shape, dtype=torch.float64))  # [R, blocks] times each is drawn
+
+    def means(per_block: dict, counts: list) -> dict[str, torch.Tensor]:
+        w = times * torch.tensor(counts, dtype=torch.float64)
+        total = w.sum(1).clamp(min=1)
+        return {name: w @ torch.tensor(m, dtype=torch.float64) / total for name, m in per_block.items()}
+
+    ppl = {name: nll.exp() for name, nll in means(blocks["nll"], blocks["nll_counts"]).items()}
+    full = next(iter(ppl.values()))
+    return {
+        "delta_vs_full": {name: p - full for name, p in ppl.items()},
+        "logit_kl": means(blocks["logit_kl"], blocks["kl_counts"]),
+    }
+
+
+def interval95(draws: torch.Tensor) -> list[float]:
+    """The middle 95% of `draws` [R]: [2.5th, 97.5th percentile], 4 significant digits."""
+    low, high = torch.quantile(draws, torch.tensor([0.025, 0.975], dtype=draws.dtype)).tolist()
+    return [float(f"{low:.4g}"), float(f"{high:.4g}")]

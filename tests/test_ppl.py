@@ -54,6 +54,30 @@ def test_rows_order_cost_and_size(lm, scored):
         assert r["ratio_vs_fp16"] == round(fp16 / at16["total"], 4) > 1.5, r
 
 
+def test_report_keeps_its_blocks_and_the_intervals_they_give(scored):
+    """The per-block means reproduce each row's perplexity (count-weighted, as the positions are), every row
+    carries the 95% intervals its blocks give, and 2 bits cost more than 8 on every resampled text here."""
+    from kvdemo.cli.ppl import format_text
+
+    b = scored["blocks"]
+    assert b["size"] == ppl.BLOCK and sum(b["nll_counts"]) == TOKENS // 2  # every scored position, once
+    assert sum(b["kl_counts"]) == TOKENS // 2 // 4  # the KL's kept positions (every 4th)
+    drawn = ppl.resampled_figures(b)
+    rows = {r["precision"]: r for r in scored["results"]}
+    for name, r in rows.items():
+        nll = sum(m * c for m, c in zip(b["nll"][name], b["nll_counts"], strict=True)) / sum(b["nll_counts"])
+        assert math.exp(nll) == pytest.approx(r["ppl"], rel=1e-4)
+        for measure in ("delta_vs_full", "logit_kl"):
+            assert r[f"{measure}_ci95"] == ppl.interval95(drawn[measure][name])
+            low, high = r[f"{measure}_ci95"]
+            assert low <= r[measure] + 1e-3 and r[measure] - 1e-3 <= high
+    assert rows["full"]["delta_vs_full_ci95"] == [0.0, 0.0]
+    assert rows["int2"]["delta_vs_full_ci95"][0] > rows["int8"]["delta_vs_full_ci95"][1]
+    assert float((drawn["delta_vs_full"]["int2"] - drawn["delta_vs_full"]["int8"]).min()) > 0
+    text = format_text(scored)
+    assert "delta 95%" in text and f"[{rows['int2']['delta_vs_full_ci95'][0]:+.3f}," in text
+
+
 def test_prefix_must_leave_the_scored_half_after_it(lm):
     with pytest.raises(ValueError, match="2 x the exact prefix"):
         ppl.run_ppl(lm, ["int4"], tokens=256, prefix=200)

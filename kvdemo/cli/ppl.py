@@ -67,10 +67,27 @@ def ablation_speed(lm, tokens: int, progress) -> dict:
 def format_text(out: dict) -> str:
     text = _ppl_text(out)
     if "rows" in out:
-        checks = [f"{c['claim']}: {'holds' if c['holds'] else 'does not hold'} ({c['values']})" for c in out["checks"]]
+        checks = [check_line(c) for c in out["checks"]]
         parts = [ablation_markdown(out), *checks, memory_markdown(out), speed_markdown(out)]
         text += "\n\n" + "\n\n".join(parts)
     return text
+
+
+def check_line(check: dict) -> str:
+    """One claim of an ablation report as README states it: the verdict on this text's figures, then (when the
+    report has them) the 95% interval of the difference over resampled text and the verdict that leaves."""
+    kl = "logit KL" in check["claim"]
+    figure, signed = ("{:.3g}", "{:+.3g}") if kl else ("{:+.3f}", "{:+.3f}")
+    a, b = (figure.format(x) for x in check["values"])
+    line = f"{check['claim']}: {'holds' if check['holds'] else 'does not hold'} ({a} vs {b})"
+    if "verdict" in check:
+        low, high = (signed.format(x) for x in check["difference_ci95"])
+        line += f"; over resampled text: {check['verdict']} (difference in [{low}, {high}], 95%)"
+    return line
+
+
+def _interval(ci: list | None) -> str:
+    return "" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
 def _ppl_text(out: dict) -> str:
@@ -78,14 +95,20 @@ def _ppl_text(out: dict) -> str:
     lines = [
         f"model: {out['model']}  perplexity of held-out tokens [{lo}, {hi}) (first {out['prefix']} stored exactly, "
         f"then {out['chunk']} at a time through the cache)",
-        f"{'precision':<16}{'ppl':>10}{'delta':>10}{'logit KL':>11}{'bits/elem':>11}{'vs 16-bit':>11}",
+        f"{'precision':<20}{'ppl':>10}{'delta':>10}{'delta 95%':>20}{'logit KL':>11}{'bits/elem':>11}{'vs 16-bit':>11}",
     ]
     for r in out["results"]:
         lines.append(
-            f"{r['precision']:<16}{r['ppl']:>10.3f}{r['delta_vs_full']:>+10.3f}{r['logit_kl']:>11.4f}"
-            f"{r['bits_per_element']:>11.2f}{r['ratio_vs_fp16']:>10.2f}x"
+            f"{r['precision']:<20}{r['ppl']:>10.3f}{r['delta_vs_full']:>+10.3f}{_interval(r.get('delta_vs_full_ci95')):>20}"
+            f"{r['logit_kl']:>11.4f}{r['bits_per_element']:>11.2f}{r['ratio_vs_fp16']:>10.2f}x"
         )
     lines.append(out["basis"])
+    if "blocks" in out:
+        b = out["blocks"]
+        lines.append(
+            f"delta 95%: the middle 95% of {b['resamples']} resamples of the scored text in blocks of {b['size']} "
+            "tokens (the spread over text like this one)"
+        )
     if "codebooks" in out:
         lines.append(f"nuq codebooks: {out['codebooks']}")
     return "\n".join(lines)
