@@ -13,7 +13,7 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures, findings, report
+from kvdemo import figures, findings, ppl, report
 from kvdemo.memory import gpu_presets, model_configs
 from kvdemo.production import ENGINES
 
@@ -159,3 +159,21 @@ for c in claims:
         )
     st.caption(f"How it was measured: {c['method']}")
     st.page_link(c["page"], label="Explore this on its page", icon=":material/arrow_forward:")
+
+ablation = ppl.load_ablation()
+if ablation is not None:
+    st.header("KVQuant's methods at 4, 3 and 2 bits", divider="gray")
+    st.markdown(
+        "Uniform codes, pre-RoPE keys, the fp16 first token (attention sink), fitted non-uniform codebooks (nuq) "
+        "with 1% outliers, a Hadamard rotation and NVFP4, each scored on the same held-out text. Each claim "
+        "is judged twice: on this text's figures, and over 2,000 resamples of the text in blocks of 64 tokens. "
+        "'Not settled by this text' means the difference could go either way on text like it."
+    )
+    st.plotly_chart(figures.ablation_frontier_figure(ablation), key="findings_ablation_fig")
+    st.dataframe(pd.DataFrame(ppl.ablation_claim_rows(ablation)), hide_index=True, key="findings_ablation_claims")
+    with st.expander("Every cell of the grid"):
+        st.dataframe(pd.DataFrame(ppl.ablation_cell_rows(ablation)), hide_index=True, key="findings_ablation_cells")
+    st.caption(
+        f"Measured with `{ablation['command']}` on {ablation['date']} (assets/reports/ablation.json), CPU, fp32; "
+        "README's 'The ablation, measured' has the reading."
+    )

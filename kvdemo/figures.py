@@ -269,6 +269,38 @@ def _bench_bars(report: dict, metric: str, keys: list, key_label: str, title: st
     return fig
 
 
+def ablation_frontier_figure(report: dict) -> go.Figure:
+    """An ablation report (`kvdemo.ppl.run_ablation`) as a frontier: logit KL vs full precision (log axis) against
+    bits/element, one line per method through its 4-, 3- and 2-bit cells; lower left is better."""
+    fig = go.Figure()
+    for col in report["columns"]:
+        cells = [row["cells"][col] for row in report["rows"] if row["cells"][col] is not None]
+        hover = []
+        for r in cells:
+            ci = r.get("delta_vs_full_ci95")
+            interval = "" if ci is None else f" (95%: {ci[0]:+.3f} .. {ci[1]:+.3f})"
+            hover.append(f"{r['precision']}<br>ppl delta {r['delta_vs_full']:+.3f}{interval}")
+        fig.add_trace(
+            go.Scatter(
+                x=[r["bits_per_element"] for r in cells],
+                y=[r["logit_kl"] for r in cells],
+                mode="lines+markers",
+                name=col,
+                text=hover,
+                hovertemplate="%{text}<br>%{x:.2f} bits/element, KL %{y:.3g}<extra>" + col + "</extra>",
+            )
+        )
+    _title(
+        fig,
+        f"KV methods on {report['model']}: logit KL vs full precision against bits per element (lower left is better)",
+        72,
+        xaxis_title="bits per element (16-bit basis)",
+        yaxis_title="logit KL vs full precision (nats)",
+        yaxis_type="log",
+    )
+    return fig
+
+
 def bench_memory_figure(report: dict) -> go.Figure:
     """Cache memory ratio vs a 16-bit cache, per contender and context length."""
     fig = _bench_bars(

@@ -19,9 +19,11 @@ spread over text like this text, not over other models, other kinds of text or o
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -236,6 +238,53 @@ ABLATION_COLUMNS = {  # column -> precision at {b} bits (None: the column has no
 # "fp16 sink": the first token of the sequence kept in full precision (`:s1`), KVQuant's attention-sink-aware
 # quantization; the "int + fp16 sink" column shows what the sink alone buys uniform codes, and
 # "nuq + 1% + pre-RoPE + sink" is KVQuant's whole recipe
+
+
+ABLATION_REPORT = Path(__file__).resolve().parent.parent / "assets" / "reports" / "ablation.json"  # the shipped run
+
+
+def load_ablation(path: Path = ABLATION_REPORT) -> dict | None:
+    """The ablation report at `path` (the shipped one by default), or None when there is none."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def ablation_cell_rows(report: dict) -> list[dict]:
+    """One row per cell of an ablation report, for a table: bits, column, precision and its figures."""
+    rows = []
+    for row in report["rows"]:
+        for col in report["columns"]:
+            r = row["cells"][col]
+            if r is not None:
+                ci = r.get("delta_vs_full_ci95")
+                rows.append(
+                    {
+                        "bits": row["bits"],
+                        "method": col,
+                        "precision": r["precision"],
+                        "ppl delta": f"{r['delta_vs_full']:+.3f}",
+                        "delta 95%": "" if ci is None else f"{ci[0]:+.3f} .. {ci[1]:+.3f}",
+                        "logit KL": f"{r['logit_kl']:.2e}",
+                        "bits/element": r["bits_per_element"],
+                        "x smaller than fp16": r["ratio_vs_fp16"],
+                    }
+                )
+    return rows
+
+
+def ablation_claim_rows(report: dict) -> list[dict]:
+    """One row per claim of an ablation report: the verdict on this text's figures and over resampled text."""
+    return [
+        {
+            "claim": c["claim"],
+            "figures": f"{c['values'][0]:.4g} vs {c['values'][1]:.4g}",
+            "on this text": "holds" if c["holds"] else "does not hold",
+            "over resampled text": c.get("verdict", ""),
+            "difference 95%": (
+                f"{c['difference_ci95'][0]:+.3g} .. {c['difference_ci95'][1]:+.3g}" if "difference_ci95" in c else ""
+            ),
+        }
+        for c in report["checks"]
+    ]
 
 
 def ablation_precisions(bits: Sequence[int] = ABLATION_BITS) -> dict[int, dict[str, str | None]]:

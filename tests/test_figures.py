@@ -113,3 +113,26 @@ def test_long_chart_titles_wrap():
         assert all(len(line) <= MAX_TITLE_CHARS for line in lines), text
         assert fig.layout.margin.t >= 40 + 24 * len(lines), text  # room above the plot for every line
     assert any("<br>" in fig.layout.title.text for fig in figs)  # these titles are long: they did wrap
+
+
+def test_ablation_frontier_reads_back_every_cell_of_the_shipped_report():
+    """One line per method through its cells (NVFP4: the 4-bit one only), each point at the cell's bits/element
+    and KL, its hover the precision, delta and the delta's 95% interval; the table rows say the same."""
+    from kvdemo import ppl
+
+    report = ppl.load_ablation()
+    fig = figures.ablation_frontier_figure(report)
+    assert [t.name for t in fig.data] == report["columns"] and fig.layout.yaxis.type == "log"
+    cells = {r["precision"]: r for r in report["results"]}
+    for trace in fig.data:
+        for x, y, text in zip(trace.x, trace.y, trace.text, strict=True):
+            r = cells[text.split("<br>")[0]]
+            assert (x, y) == (r["bits_per_element"], r["logit_kl"])
+            low, high = r["delta_vs_full_ci95"]
+            assert f"ppl delta {r['delta_vs_full']:+.3f} (95%: {low:+.3f} .. {high:+.3f})" in text
+    assert len(fig.data[report["columns"].index("NVFP4")].x) == 1
+    rows = ppl.ablation_cell_rows(report)
+    assert len(rows) == sum(len(t.x) for t in fig.data) == len(report["results"]) - 1  # every cell, not full
+    claims = ppl.ablation_claim_rows(report)
+    assert [c["over resampled text"] for c in claims] == [c["verdict"] for c in report["checks"]]
+    assert ppl.load_ablation(ppl.ABLATION_REPORT.with_name("missing.json")) is None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdemo import findings, layout, needle, report
+from kvdemo import findings, layout, needle, ppl, report
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -299,9 +299,13 @@ def test_findings_page_renders_the_shipped_report():
     assert not at.exception, at.exception
     assert "Findings" in at.title[0].value
     headers = [h.value for h in at.header]
-    assert headers == [c["title"] for c in findings.CLAIMS]
+    assert headers == [c["title"] for c in findings.CLAIMS] + ["KVQuant's methods at 4, 3 and 2 bits"]
     table = _verdict_table(at)  # AppTest finds no dataframe by key: by its columns
     assert list(table["verdict"]) == [c["verdict"]["word"] for c in findings.evaluate(findings.load())]
+    ablation = ppl.load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
+    (claims,) = [d.value for d in at.dataframe if "over resampled text" in d.value.columns]
+    assert list(claims["over resampled text"]) == [c["verdict"] for c in ablation["checks"]]
+    assert any(ablation["command"] in c.value for c in at.caption)
     at.select_slider(key="findings_context").set_value(131072).run()
     assert not at.exception, at.exception
     assert "131,072" in _verdict_table(at)["numbers"].iloc[0]

@@ -90,6 +90,10 @@ def _interval(ci: list | None) -> str:
     return "" if ci is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
+def _cell_interval(row: dict) -> str:
+    return f"<br>{_interval(row['delta_vs_full_ci95'])}" if "delta_vs_full_ci95" in row else ""
+
+
 def _ppl_text(out: dict) -> str:
     lo, hi = out["scored_positions"]
     lines = [
@@ -115,14 +119,17 @@ def _ppl_text(out: dict) -> str:
 
 
 def markdown_table(out: dict) -> str:
-    """README's table of a `ppl` report."""
+    """README's table of a `ppl` report (with the delta's 95% interval over resampled text when it has one)."""
+    ci = "delta_vs_full_ci95" in out["results"][0]
     lines = [
-        f"| precision | ppl @{out['tokens']} | delta vs full | logit KL | bits/element | ratio vs fp16 |",
-        "|---|---|---|---|---|---|",
+        f"| precision | ppl @{out['tokens']} | delta vs full |{' delta 95% |' if ci else ''} logit KL | bits/element | "
+        "ratio vs fp16 |",
+        "|---|---|---|---|---|---|" + ("---|" if ci else ""),
     ]
     for r in out["results"]:
+        interval = f" {_interval(r['delta_vs_full_ci95'])} |" if ci else ""
         lines.append(
-            f"| {r['precision']} | {r['ppl']:.3f} | {r['delta_vs_full']:+.3f} | {r['logit_kl']:.2e} | "
+            f"| {r['precision']} | {r['ppl']:.3f} | {r['delta_vs_full']:+.3f} |{interval} {r['logit_kl']:.2e} | "
             f"{r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f}x |"
         )
     return "\n".join(lines)
@@ -150,7 +157,8 @@ def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name
 
 
 def ablation_markdown(out: dict) -> str:
-    """README's ablation table: perplexity delta vs full precision at `tokens`, the logit KL vs full precision,
+    """README's ablation table: perplexity delta vs full precision at `tokens` (and its 95% interval over
+    resampled text when the report has one), the logit KL vs full precision,
     bits/element and ratio vs 16-bit under each (as stored after scoring: the residual window's full-precision
     tokens included)."""
     cols = out["columns"]
@@ -162,8 +170,8 @@ def ablation_markdown(out: dict) -> str:
             cells.append(
                 "-"
                 if r is None
-                else f"{r['delta_vs_full']:+.3f}<br>KL {r['logit_kl']:.2e}<br>{r['bits_per_element']:.2f} b, "
-                f"{r['ratio_vs_fp16']:.2f}x"
+                else f"{r['delta_vs_full']:+.3f}{_cell_interval(r)}<br>KL {r['logit_kl']:.2e}<br>"
+                f"{r['bits_per_element']:.2f} b, {r['ratio_vs_fp16']:.2f}x"
             )
         lines.append(f"| {row['bits']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
