@@ -272,13 +272,15 @@ def _bench_bars(report: dict, metric: str, keys: list, key_label: str, title: st
 def ablation_frontier_figure(report: dict) -> go.Figure:
     """An ablation report (`kvdemo.ppl.run_ablation`) as a frontier: logit KL vs full precision (log axis) against
     bits/element, one line per method through its 4-, 3- and 2-bit cells; lower left is better."""
+    from .ppl import interval_text
+
     fig = go.Figure()
     for col in report["columns"]:
         cells = [row["cells"][col] for row in report["rows"] if row["cells"][col] is not None]
         hover = []
         for r in cells:
             ci = r.get("delta_vs_full_ci95")
-            interval = "" if ci is None else f" (95%: {ci[0]:+.3f} .. {ci[1]:+.3f})"
+            interval = "" if ci is None else f" (95%: {interval_text(ci)})"
             hover.append(f"{r['precision']}<br>ppl delta {r['delta_vs_full']:+.3f}{interval}")
         fig.add_trace(
             go.Scatter(

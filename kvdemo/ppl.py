@@ -255,14 +255,13 @@ def ablation_cell_rows(report: dict) -> list[dict]:
         for col in report["columns"]:
             r = row["cells"][col]
             if r is not None:
-                ci = r.get("delta_vs_full_ci95")
                 rows.append(
                     {
                         "bits": row["bits"],
                         "method": col,
                         "precision": r["precision"],
                         "ppl delta": f"{r['delta_vs_full']:+.3f}",
-                        "delta 95%": "" if ci is None else f"{ci[0]:+.3f} .. {ci[1]:+.3f}",
+                        "delta 95%": interval_text(r.get("delta_vs_full_ci95")),
                         "logit KL": f"{r['logit_kl']:.2e}",
                         "bits/element": r["bits_per_element"],
                         "x smaller than fp16": r["ratio_vs_fp16"],
@@ -279,9 +278,7 @@ def ablation_claim_rows(report: dict) -> list[dict]:
             "figures": f"{c['values'][0]:.4g} vs {c['values'][1]:.4g}",
             "on this text": "holds" if c["holds"] else "does not hold",
             "over resampled text": c.get("verdict", ""),
-            "difference 95%": (
-                f"{c['difference_ci95'][0]:+.3g} .. {c['difference_ci95'][1]:+.3g}" if "difference_ci95" in c else ""
-            ),
+            "difference 95%": interval_text(c.get("difference_ci95"), "+.3g"),
         }
         for c in report["checks"]
     ]
@@ -402,6 +399,11 @@ def resampled_figures(blocks: dict) -> dict[str, dict[str, torch.Tensor]]:
         "delta_vs_full": {name: p - full for name, p in ppl.items()},
         "logit_kl": means(blocks["logit_kl"], blocks["kl_counts"]),
     }
+
+
+def interval_text(ci: list | None, spec: str = "+.3f") -> str:
+    """An interval [low, high] as "low .. high" ("" for None: a report written before the intervals)."""
+    return "" if ci is None else f"{ci[0]:{spec}} .. {ci[1]:{spec}}"
 
 
 def interval95(draws: torch.Tensor) -> list[float]:
