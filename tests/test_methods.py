@@ -5,6 +5,7 @@ no embedded model (the tiny random-weight models of tests/test_families.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -168,6 +169,26 @@ def test_nuq_picks_the_nearest_level_and_dequantizes_to_it(fmt, axis, group):
     # and the error is within half the widest gap between levels, in units of the scale (+ a clamped end)
     half_gap = float((lv[1:] - lv[:-1]).max()) / 2
     assert ((dequantize(q) - x).abs() <= (half_gap + 2e-3) * scale.expand_as(g).reshape(x.shape)).all()
+
+
+@pytest.mark.parametrize("fmt", ["nuq2", "nuq3", "nuq4", "nvfp4", "int3"])
+def test_code_values_are_the_table_at_each_code_even_from_a_view(fmt):
+    """The lookup (a gather on the table broadcast over rows, bytes at a time at 2 and 4 bits) gives, bit for
+    bit, the level of every code, also from a slice of a larger buffer, as a growing cache hands it over."""
+    bits = int(fmt[-1])
+    x = _randn(2, 3, 96, 64, seed=7, scale=3)
+    levels = normal_float(bits) if fmt.startswith("nuq") else None
+    q = quantize(x, fmt, "token", 16 if fmt == "nvfp4" else 64, levels=levels)
+    table = {"nvfp4": torch.tensor(E2M1 + tuple(-m for m in E2M1)), "int3": torch.arange(8.0)}.get(
+        fmt
+    )  # nvfp4: bit 3 is the sign
+    table = q.levels.float() if table is None else table
+    want = table[reference.unpack(q.codes, bits).long()]  # [2, 3, 96, 64]
+    assert torch.equal(reference.code_values(q), want)
+    wider = torch.zeros(2, 3, 128, q.codes.shape[-1], dtype=torch.uint8)
+    wider[:, :, 16:112] = q.codes
+    view = dataclasses.replace(q, codes=wider[:, :, 16:112])  # strided like a cache's live rows
+    assert not view.codes.is_contiguous() and torch.equal(reference.code_values(view), want)
 
 
 def test_nuq_without_a_codebook_is_refused():

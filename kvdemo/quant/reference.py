@@ -334,22 +334,53 @@ def code_values(q: QuantizedTensor) -> torch.Tensor:
 def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`code_values` in the order the lookup leaves them: (values fp32 [B, H, T, D], order [D] or None) with
     values[..., j] the value of channel order[j] (None: channel order). Codebook formats at 2 and 4 bits are
-    looked up a byte at a time (`_byte_words`), gathered with a 1-D `index_select` on int64 indices (about 3x
-    faster on CPU than gathering rows of a [256, P] float table; int32 indices are ~1.4x slower than int64
-    there). That leaves a byte's P channels side by side; callers that can permute the query (or the output)
-    instead skip the copy."""
+    looked up a byte at a time (`_byte_words`, one int64 word per byte, which beats gathering rows of a
+    [256, P] float table ~3x on CPU); 3-bit codes come out of their bit planes a byte at a time
+    (`_three_bit_codes`). That leaves a byte's channels side by side; callers that can permute the query (or
+    the output) instead skip the copy."""
+    bits = code_bits(q.fmt)
+    if bits == 3:
+        codes, order = _three_bit_codes(q.codes)
+        return (codes.float() if q.levels is None else _lookup(q.levels.float(), codes)), order
     if q.fmt == "nvfp4" or q.levels is not None:
         table = _E2M1_SIGNED.to(q.codes.device) if q.fmt == "nvfp4" else q.levels
-        bits = code_bits(q.fmt)
-        if bits in (2, 4):
-            per_byte = 8 // bits
-            words, dtype = _byte_words(table, bits)
-            *lead, width = q.codes.shape
-            vals = words.index_select(0, q.codes.long().view(-1)).view(dtype).float()
-            return vals.view(*lead, width * per_byte), _byte_order(width, per_byte, q.codes.device)
-        codes = unpack(q.codes, bits)
-        return table.float().index_select(0, codes.view(-1).long()).view(codes.shape), None
+        per_byte = 8 // bits
+        words, dtype = _byte_words(table, bits)
+        *lead, width = q.codes.shape
+        vals = _lookup(words, q.codes).view(dtype).float()
+        return vals.view(*lead, width * per_byte), _byte_order(width, per_byte, q.codes.device)
     return codes_to_float(q.codes, q.fmt), None
+
+
+def _three_bit_codes(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """3-bit planar codes uint8 [..., 3W] (`pack`: bit j of channel p*W + c is bit p of plane j's byte c) ->
+    (codes uint8 [..., 8W] with position c*8 + p holding channel p*W + c, that order [8W]).
+
+    Each plane's bytes are looked up in `_bit_bytes` (byte -> its 8 bits spread one per byte of an int64),
+    and the three planes' words are shifted into place: 3 gathers of W bytes instead of 24 mask-and-shift
+    passes over D channels (~6x faster on CPU)."""
+    w = packed.shape[-1] // 3
+    planes = packed.unflatten(-1, (3, w))  # [..., 3, W]
+    spread = _bit_bytes(packed.device)
+    word = _lookup(spread, planes[..., 0, :])  # [..., W] int64
+    word |= _lookup(spread, planes[..., 1, :]) << 1
+    word |= _lookup(spread, planes[..., 2, :]) << 2
+    return word.view(torch.uint8), _byte_order(w, 8, packed.device)  # int64 -> 8 bytes, little-endian
+
+
+@functools.lru_cache(maxsize=8)
+def _bit_bytes(device) -> torch.Tensor:
+    """int64 [256]: entry b holds bit p of b in byte p (the low bit of each byte; little-endian bytes)."""
+    byte, p = torch.arange(256).unsqueeze(1), torch.arange(8)
+    return (((byte >> p) & 1) << (8 * p)).sum(-1).to(device)
+
+
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """table [L] at each of index [..., W] (any integer dtype) -> [..., W]: a gather on the table broadcast
+    over the index's rows (stride 0, no copy). On CPU the gather splits rows across threads, where a 1-D
+    `index_select` runs on one (~1.5x faster here at 4096 tokens x 3 heads; same values, bit for bit)."""
+    rows = index.long().view(-1, index.shape[-1])  # [R, W]
+    return table.view(1, -1).expand(len(rows), -1).gather(1, rows).view(index.shape)
 
 
 _WORDS = WeakIdKeyDictionary()  # levels tensor -> (words, dtype): built once per codebook, not per call
@@ -545,8 +576,8 @@ def _key_scores(qg: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
         b, h, m, _ = qk.shape
         t, cap = keys.outlier_index.shape[-2:]
         idx = keys.outlier_index.long().view(b, h, 1, t * cap).expand(b, h, m, t * cap)
-        picked = qk.gather(-1, idx) * keys.outlier_delta.float().view(b, h, 1, t * cap)
-        scores = scores + picked.view(b, h, m, t, cap).sum(-1)
+        picked = qk.gather(-1, idx).mul_(keys.outlier_delta.float().view(b, h, 1, t * cap))
+        scores += picked if cap == 1 else picked.view(b, h, m, t, cap).sum(-1)  # scores: this call's own buffer
     return scores
 
 
@@ -559,7 +590,7 @@ def _token_value_output(p: torch.Tensor, values: QuantizedTensor) -> torch.Tenso
         cap = values.outlier_index.shape[-1]
         src = (p.unsqueeze(-1) * values.outlier_delta.float().unsqueeze(2)).view(b, h, m, t * cap)
         idx = values.outlier_index.long().view(b, h, 1, t * cap).expand(b, h, m, t * cap)
-        out = out.scatter_add(-1, idx, src)
+        out = out.scatter_add_(-1, idx, src)  # out: this call's own buffer
     if values.rotation is not None:
         out = out @ values.rotation.T
     return out
