@@ -171,6 +171,8 @@ if ablation is not None:
     )
     st.plotly_chart(figures.ablation_frontier_figure(ablation), key="findings_ablation_fig")
     st.dataframe(pd.DataFrame(ppl.ablation_claim_rows(ablation)), hide_index=True, key="findings_ablation_claims")
+    st.markdown("What the formats cost: the live cache at 4,096 tokens (to the byte) and decode speed, one run.")
+    st.dataframe(pd.DataFrame(ppl.ablation_cost_rows(ablation)), hide_index=True, key="findings_ablation_costs")
     with st.expander("Every cell of the grid"):
         st.dataframe(pd.DataFrame(ppl.ablation_cell_rows(ablation)), hide_index=True, key="findings_ablation_cells")
     st.caption(

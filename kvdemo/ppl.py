@@ -270,6 +270,30 @@ def ablation_cell_rows(report: dict) -> list[dict]:
     return rows
 
 
+def ablation_cost_rows(report: dict) -> list[dict]:
+    """What each measured format costs and buys, from an ablation report's `memory` (the live cache at
+    `tokens`, to the byte) and `decode` (tok/s in one interleaved run) parts: one row per precision in
+    either, first-seen order; a figure the report did not measure is None."""
+    memory = {r["precision"]: r for r in report["memory"]["results"]}
+    decode = {r["precision"]: r for r in report["decode"]["results"]}
+    base = report["decode"]["results"][0]["precision"]
+    rows = []
+    for name in dict.fromkeys([*memory, *decode]):
+        m, d = memory.get(name), decode.get(name)
+        rows.append(
+            {
+                "precision": name,
+                f"x smaller than fp16 @{report['memory']['tokens']}": None
+                if m is None
+                else round(m["ratio_vs_fp16"], 2),
+                "bits/element": None if m is None else m["bits_per_element"],
+                f"decode tok/s @{report['decode']['context']}": None if d is None else d["tokens_per_s"],
+                f"decode vs {base}": None if d is None else d["vs_first"],
+            }
+        )
+    return rows
+
+
 def ablation_claim_rows(report: dict) -> list[dict]:
     """One row per claim of an ablation report: the verdict on this text's figures and over resampled text."""
     return [

@@ -11,6 +11,7 @@ import random
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from kvdemo import findings, layout, needle, ppl, report
@@ -305,6 +306,14 @@ def test_findings_page_renders_the_shipped_report():
     ablation = ppl.load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
     (claims,) = [d.value for d in at.dataframe if "over resampled text" in d.value.columns]
     assert list(claims["over resampled text"]) == [c["verdict"] for c in ablation["checks"]]
+    (costs,) = [d.value for d in at.dataframe if "decode vs int4" in d.value.columns]
+    speed = {r["precision"]: r["vs_first"] for r in ablation["decode"]["results"]}
+    ratio = {r["precision"]: round(r["ratio_vs_fp16"], 2) for r in ablation["memory"]["results"]}
+    assert list(costs["precision"]) == list(dict.fromkeys([*ratio, *speed]))
+    for _, row in costs.iterrows():  # each figure from its part of the report, blank where it measured none
+        name, vs, smaller = row["precision"], row["decode vs int4"], row["x smaller than fp16 @4096"]
+        assert vs == speed[name] if name in speed else pd.isna(vs)
+        assert smaller == ratio[name] if name in ratio else pd.isna(smaller)
     assert any(ablation["command"] in c.value for c in at.caption)
     at.select_slider(key="findings_context").set_value(131072).run()
     assert not at.exception, at.exception
