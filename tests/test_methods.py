@@ -179,10 +179,8 @@ def test_code_values_are_the_table_at_each_code_even_from_a_view(fmt):
     x = _randn(2, 3, 96, 64, seed=7, scale=3)
     levels = normal_float(bits) if fmt.startswith("nuq") else None
     q = quantize(x, fmt, "token", 16 if fmt == "nvfp4" else 64, levels=levels)
-    table = {"nvfp4": torch.tensor(E2M1 + tuple(-m for m in E2M1)), "int3": torch.arange(8.0)}.get(
-        fmt
-    )  # nvfp4: bit 3 is the sign
-    table = q.levels.float() if table is None else table
+    fixed = {"nvfp4": torch.tensor(E2M1 + tuple(-m for m in E2M1)), "int3": torch.arange(8.0)}  # nvfp4: bit 3 = sign
+    table = fixed[fmt] if fmt in fixed else q.levels.float()
     want = table[reference.unpack(q.codes, bits).long()]  # [2, 3, 96, 64]
     assert torch.equal(reference.code_values(q), want)
     wider = torch.zeros(2, 3, 128, q.codes.shape[-1], dtype=torch.uint8)

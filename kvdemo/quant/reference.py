@@ -492,7 +492,8 @@ def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> tor
 
 
 def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Packed codes [..., D/P] -> code values as float32 [..., D] (integer levels, or fp8 values).
+    """Packed codes [..., D/P] -> code values as float32 [..., D] (integer levels at 2, 4 and 8 bits, or fp8
+    values; 3-bit codes come out of their bit planes in `looked_up`, `_three_bit_codes`).
 
     The fast CPU route: integer planes are masked and converted straight into one float buffer;
     fp8 bytes are turned into fp16 bit patterns (e5m2 is the top byte of an fp16; e4m3fn shifted
@@ -505,8 +506,6 @@ def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
         bits = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7)
         return bits.view(torch.float16).float().mul_(256.0)
     bits = code_bits(fmt)
-    if bits == 3:
-        return unpack(codes, 3).float()
     per_byte = 8 // bits
     if per_byte == 1:
         return codes.float()
