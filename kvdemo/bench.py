@@ -588,13 +588,8 @@ def _report(lm, sizes: BenchSizes, quick: bool, machine: dict, rows: dict, skipp
                 out["decode_speed_vs_full"][k] = round(paired_ratio(v, base.decode_rounds[k]), 3)
         results.append(out)
     machine = machine | {"load_avg_end": [round(x, 2) for x in os.getloadavg()]}
-    busy = max(machine["load_avg_start"][0], machine["load_avg_end"][0])
-    if busy > 0.5 * (machine["cores"] or 1):
-        machine["notes"] = (
-            f"Other processes shared the CPU during this run (load average {busy} on {machine['cores']} cores): "
-            "absolute tok/s and seconds are lower and noisier than on an idle machine; speed ratios come from "
-            "rounds measured side by side."
-        )
+    if (note := load_note(machine)) is not None:
+        machine["notes"] = note
     report = {
         "machine": machine,
         "model": lm.name,
@@ -807,6 +802,19 @@ def machine_info(lm: LoadedModel) -> dict:
 
 
 # --- report files ------------------------------------------------------------------------------------
+
+
+def load_note(machine: dict) -> str | None:
+    """A note when other processes had the CPU busy as the run began (1-minute load average over half the cores).
+    The load average at the end is not a sign of other load: the run itself keeps every core busy to the end."""
+    busy = machine["load_avg_start"][0]
+    if busy <= 0.5 * (machine["cores"] or 1):
+        return None
+    return (
+        f"Other processes had the CPU busy as this run began (load average {busy} on {machine['cores']} cores): "
+        "absolute tok/s and seconds may be lower and noisier than on an idle machine; speed ratios come from "
+        "rounds measured side by side."
+    )
 
 
 def markdown_table(report: dict) -> str:

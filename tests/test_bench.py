@@ -217,6 +217,14 @@ def test_goals_are_judged_from_the_numbers():
     assert [g["met"] for g in alone] == [None, None, None]
 
 
+def test_load_note_judges_the_load_before_the_run_not_the_runs_own():
+    """A run keeps every core busy, so the load average at its end is its own: only the start's is other load."""
+    own = {"cores": 2, "load_avg_start": [0.1, 0.6, 1.0], "load_avg_end": [2.0, 2.0, 2.0]}
+    assert bench.load_note(own) is None
+    shared = {"cores": 2, "load_avg_start": [1.6, 1.2, 1.0], "load_avg_end": [3.5, 3.0, 2.5]}
+    assert "load average 1.6 on 2 cores" in bench.load_note(shared)
+
+
 def test_key_vs_value_ratios():
     def row(name, ppl_delta, kl, needle_delta):
         return {
