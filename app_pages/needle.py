@@ -12,7 +12,7 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo import figures, prefill_modes, rates, runner
-from kvdemo.needle import CSV_COLUMNS, KINDS, NeedleError, parse_numbers, run_grid, summarize
+from kvdemo.needle import CSV_COLUMNS, KINDS, MAX_REPEATS, NeedleError, parse_numbers, run_grid, summarize
 from kvdemo.runner import PREFILL_MODES
 
 lm = common.model()
@@ -38,6 +38,7 @@ defaults = {
     "needle_lengths": "512,1024",
     "needle_depths": "0,50,100",
     "needle_seed": 0,
+    "needle_repeats": 1,
     "needle_text": "The secret ingredient of the soup is cardamom.",
     "needle_question": "What is the secret ingredient of the soup?",
     "needle_answer": "cardamom",
@@ -67,10 +68,18 @@ if kind == "custom":
     c1, c2 = st.columns(2)
     c1.text_input("Question", key="needle_question")
     c2.text_input("Expected answer (must appear in the needle)", key="needle_answer")
-c1, c2, c3 = st.columns([2, 2, 1])
+c1, c2, c3, c4 = st.columns([2, 2, 1, 1])
 c1.text_input("Prompt lengths (tokens)", key="needle_lengths", help=f"comma-separated, up to ~{lm.max_context - 32}")
 c2.text_input("Depths (% of the haystack)", key="needle_depths", help="comma-separated, 0 = start, 100 = end")
 c3.number_input("Seed", 0, 1_000_000, key="needle_seed")
+c4.number_input(
+    "Repeats",
+    1,
+    MAX_REPEATS,
+    key="needle_repeats",
+    help="Runs per cell, each with a new needle (seeds seed, seed + 1, ...): one cell is one draw, so found "
+    "counts of a small grid move by cells between runs; the summary gives each found rate a 95% interval",
+)
 picked = st.multiselect("Precisions (full precision is always included)", choices, key="needle_precisions")
 prefill_mode = st.radio(
     "Prefill: how each quantized cache stores the haystack",
@@ -84,8 +93,10 @@ c1, c2 = st.columns([1, 5])
 run = c1.button("Run grid", key="needle_run", type="primary")
 c2.button("Cancel", key="needle_cancel", help="Stops the grid; the cells finished so far are kept")
 try:
-    planned = sum(parse_numbers(st.session_state["needle_lengths"], "lengths", int)) * len(
-        parse_numbers(st.session_state["needle_depths"], "depths", float)
+    planned = (
+        sum(parse_numbers(st.session_state["needle_lengths"], "lengths", int))
+        * len(parse_numbers(st.session_state["needle_depths"], "depths", float))
+        * int(st.session_state["needle_repeats"])
     )
     st.caption(rates.hint(lm, "needle", planned * len(set(["full", *picked])), "this grid"))
 except NeedleError:
@@ -120,6 +131,7 @@ if run:
             "kind": kind,
             "haystack": doc["name"] if use_doc else "built in",
             "seed": int(st.session_state["needle_seed"]),
+            "repeats": int(st.session_state["needle_repeats"]),
             "lengths": lengths,
             "depths": depths,
             "precisions": list(dict.fromkeys(["full", *picked])),
@@ -138,8 +150,9 @@ if run:
                 partial["rows"].append(row.to_dict())
                 partial["seconds"] = time.perf_counter() - start  # what a Cancel keeps
                 mark = "found" if row.correct else "missed"
+                seed = f", seed {row.seed}" if meta["repeats"] > 1 else ""
                 bar.progress(done / total, text=f"{done}/{total}: {row.precision} at {row.length} tokens, "
-                             f"depth {row.depth:g}%: {mark}")  # fmt: skip
+                             f"depth {row.depth:g}%{seed}: {mark}")  # fmt: skip
 
             result = run_grid(
                 lm,
@@ -153,6 +166,7 @@ if run:
                 question=st.session_state["needle_question"] if custom else "",
                 answer=st.session_state["needle_answer"] if custom else "",
                 seed=meta["seed"],
+                repeats=meta["repeats"],
                 on_progress=progress,
                 prefill_mode=prefill_mode,
             )
@@ -173,27 +187,29 @@ def show(out: dict, key: str = "needle") -> None:
     """A grid's summary, heatmaps, answers and downloads (`key` prefixes the widget keys)."""
     for note in out.get("notes", []):
         st.caption(note)
-    missed = figures.full_missed_cells(out)
+    full_runs = [r for r in out["rows"] if r["precision"] == "full"]
+    missed = sum(not r["correct"] for r in full_runs)
     if missed:
-        full_cells = sum(r["precision"] == "full" for r in out["rows"])
+        runs = "cells" if out.get("repeats", 1) == 1 else "runs"
         st.warning(
-            f'Full precision itself missed {len(missed)} of {full_cells} cells (marked "{figures.FULL_MISSED}"): '
+            f'Full precision itself missed {missed} of {len(full_runs)} {runs} (marked "{figures.FULL_MISSED}"): '
             "there the model fails without any quantization, so a quantized miss says nothing; compare "
             "log p(true answer) instead, or load a stronger model (sidebar).",
             icon=":material/info:",
         )
     summary = pd.DataFrame(out["summary"])
-    st.dataframe(summary, hide_index=True, key=f"{key}_summary")
+    found = {"accuracy": "found", "found_low": "found, 95% low", "found_high": "found, 95% high"}
+    percent = {c: st.column_config.NumberColumn(label, format="percent") for c, label in found.items()}
+    st.dataframe(summary, hide_index=True, key=f"{key}_summary", column_config=percent)
     st.plotly_chart(figures.needle_heatmap_figure(out), key=f"{key}_heatmap")
     precisions = list(dict.fromkeys(r["precision"] for r in out["rows"]))
     if "full" in precisions and len(precisions) > 1:
         st.plotly_chart(figures.needle_difference_figure(out), key=f"{key}_difference")
     st.plotly_chart(figures.needle_logprob_figure(out), key=f"{key}_logprob")
     st.markdown("**Answers**")
-    table = pd.DataFrame(out["rows"])[
-        ["length", "depth", "precision", "correct", "answer", "expected", "answer_logprob", "depth_actual"]
-        + ["prompt_tokens"]
-    ]
+    columns = ["length", "depth", "precision", "correct", "answer", "expected", "answer_logprob", "depth_actual"]
+    columns += ["prompt_tokens"] + (["seed"] if out.get("repeats", 1) > 1 else [])
+    table = pd.DataFrame(out["rows"])[columns]
     st.dataframe(table, hide_index=True, key=f"{key}_answers")
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
@@ -268,7 +284,12 @@ if out is not None:
     st.caption(f"Prefill: {prefill_modes.describe(out.get('prefill_mode', 'exact'))}")
     show(out)
 if cancelled is not None:
-    planned = len(cancelled["lengths"]) * len(cancelled["depths"]) * len(cancelled["precisions"])
+    planned = (
+        len(cancelled["lengths"])
+        * len(cancelled["depths"])
+        * len(cancelled["precisions"])
+        * cancelled.get("repeats", 1)
+    )
     title = f"Cancelled run (partial): {len(cancelled['rows'])} of {planned} runs in {cancelled['seconds']:.1f} s" + (
         ", shown beside the last complete grid above" if out is not None else ""
     )

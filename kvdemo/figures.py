@@ -398,35 +398,65 @@ def _needle_value(row: dict, value: str) -> float:
     raise ValueError(f"unknown needle value {value!r}; allowed: {', '.join(_NEEDLE_VALUES)}")
 
 
+def _needle_cells(rows: list[dict], precision: str) -> dict[tuple[int, float], list[dict]]:
+    """(length, depth) -> the precision's runs of that cell (one per seed)."""
+    cells: dict[tuple[int, float], list[dict]] = {}
+    for r in rows:
+        if r["precision"] == precision:
+            cells.setdefault((r["length"], r["depth"]), []).append(r)
+    return cells
+
+
 def _needle_grid(rows: list[dict], precision: str, lengths: list, depths: list, value: str) -> list[list]:
-    """z[depth][length] for one precision (None where a cell did not run)."""
-    cells = {(r["length"], r["depth"]): r for r in rows if r["precision"] == precision}
-    return [[_needle_value(cells[(n, d)], value) if (n, d) in cells else None for n in lengths] for d in depths]
+    """z[depth][length] for one precision: the value, its mean over the cell's runs with repeats (the found
+    rate for "correct"); None where a cell did not run."""
+    cells = _needle_cells(rows, precision)
+    return [
+        [
+            sum(_needle_value(r, value) for r in cells[(n, d)]) / len(cells[(n, d)]) if (n, d) in cells else None
+            for n in lengths
+        ]
+        for d in depths
+    ]
 
 
 FULL_MISSED = "full missed"  # the label of a cell where full precision itself missed the needle
 
 
+def _full_misses(rows: list[dict], baseline: str = "full") -> dict[tuple[int, float], int]:
+    """(length, depth) -> how many of its runs `baseline` missed, for the cells where it missed any."""
+    misses: dict[tuple[int, float], int] = {}
+    for r in rows:
+        if r["precision"] == baseline and not r["correct"]:
+            misses[(r["length"], r["depth"])] = misses.get((r["length"], r["depth"]), 0) + 1
+    return misses
+
+
 def full_missed_cells(result, baseline: str = "full") -> set[tuple[int, float]]:
-    """(length, depth) of the cells where `baseline` (full precision) itself missed the needle: there a
-    quantized miss says nothing about quantization."""
-    rows = _needle_rows(result)[0]
-    return {(r["length"], r["depth"]) for r in rows if r["precision"] == baseline and not r["correct"]}
+    """(length, depth) of the cells where `baseline` (full precision) itself missed the needle (in any of
+    their runs): there a quantized miss says nothing about quantization."""
+    return set(_full_misses(_needle_rows(result)[0], baseline))
 
 
-def _needle_texts(rows: list[dict], precision: str, lengths: list, depths: list, missed=frozenset()) -> list[list[str]]:
-    """Cell labels: ok/miss, the answer's log-prob, and FULL_MISSED where full precision missed."""
-    cells = {(r["length"], r["depth"]): r for r in rows if r["precision"] == precision}
-    return [
-        [
-            f"{'ok' if cells[(n, d)]['correct'] else 'miss'}<br>{cells[(n, d)]['answer_logprob']:.2f}"
-            + (f"<br>({FULL_MISSED})" if (n, d) in missed else "")
-            if (n, d) in cells
-            else ""
-            for n in lengths
-        ]
-        for d in depths
-    ]
+def _missed_label(runs: int, misses: int) -> str:
+    return "" if not misses else f"<br>({FULL_MISSED})" if runs == 1 else f"<br>({FULL_MISSED} {misses})"
+
+
+def _needle_texts(rows: list[dict], precision: str, lengths: list, depths: list, misses=None) -> list[list[str]]:
+    """Cell labels: ok/miss and the answer's log-prob (found/runs and the mean log-prob with repeats), and
+    FULL_MISSED where full precision missed (with how many of the runs, with repeats); misses: `_full_misses`."""
+    cells, misses = _needle_cells(rows, precision), misses or {}
+
+    def label(runs: list[dict], missed: int) -> str:
+        logp = sum(r["answer_logprob"] for r in runs) / len(runs)
+        found = (
+            ("ok" if runs[0]["correct"] else "miss")
+            if len(runs) == 1
+            else f"{sum(r['correct'] for r in runs)}/{len(runs)}"
+        )
+        return f"{found}<br>{logp:.2f}" + _missed_label(len(runs), missed)
+
+    return [[label(cells[(n, d)], misses.get((n, d), 0)) if (n, d) in cells else "" for n in lengths] for d in depths]
 
 
 def _needle_panels(precisions: list[str], title: str) -> go.Figure:
@@ -458,12 +488,13 @@ def _needle_panel(fig: go.Figure, col: int, z: list, text: list, lengths: list, 
 
 def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
     """Depth (down) x prompt length (across), one panel per precision, coloured by `value`:
-    "correct" (exact match), "answer_prob" (teacher-forced p of the true answer) or "answer_logprob".
-    Each cell is labelled with ok/miss and the answer's log-probability."""
+    "correct" (exact match), "answer_prob" (teacher-forced p of the true answer) or "answer_logprob", each
+    the mean over a cell's runs with repeats. Each cell is labelled with ok/miss (found/runs) and the
+    answer's log-probability (its mean)."""
     rows, precisions, lengths, depths = _needle_rows(result)
     fig = _needle_panels(precisions, f"Needle in a haystack: {_NEEDLE_VALUES.get(value, value)} by depth and length")
     bounded = value in ("correct", "answer_prob")
-    missed = full_missed_cells(result)
+    missed = _full_misses(rows)
     for i, label in enumerate(precisions, start=1):
         _needle_panel(
             fig,
@@ -482,21 +513,24 @@ def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
 
 
 def needle_difference_figure(result, baseline: str = "full", value: str = "answer_logprob") -> go.Figure:
-    """Each quantized precision minus `baseline` on the same cells: log-prob change (default), change in
-    p(true answer), or correct (-1: lost, +1: gained). Diverging colours centred on 0, one scale for all panels."""
+    """Each quantized precision minus `baseline` on the same runs: log-prob change (default), change in
+    p(true answer), or correct (-1: lost, +1: gained), each the mean over a cell's runs (same seed against same
+    seed) with repeats. Diverging colours centred on 0, one scale for all panels."""
+    from .needle import cell_key
+
     rows, precisions, lengths, depths = _needle_rows(result)
     if baseline not in precisions:
         raise ValueError(f"no {baseline!r} rows to compare with; have: {', '.join(precisions)}")
     others = [p for p in precisions if p != baseline]
     fig = _needle_panels(others, f"Needle: {_NEEDLE_VALUES.get(value, value)}, change vs {baseline}")
-    base = _needle_grid(rows, baseline, lengths, depths, value)
+    base = {cell_key(r): _needle_value(r, value) for r in rows if r["precision"] == baseline}
     diffs = {}
     for label in others:
-        mine = _needle_grid(rows, label, lengths, depths, value)
-        diffs[label] = [
-            [None if a is None or b is None else a - b for a, b in zip(ra, rb, strict=True)]
-            for ra, rb in zip(mine, base, strict=True)
-        ]
+        changes: dict[tuple[int, float], list[float]] = {}
+        for r in rows:
+            if r["precision"] == label and cell_key(r) in base:
+                changes.setdefault((r["length"], r["depth"]), []).append(_needle_value(r, value) - base[cell_key(r)])
+        diffs[label] = [[sum(c) / len(c) if (c := changes.get((n, d))) else None for n in lengths] for d in depths]
     span = max([abs(v) for d in diffs.values() for r in d for v in r if v is not None] + [1e-3])
     missed = full_missed_cells(result, baseline)
     for i, (label, diff) in enumerate(diffs.items(), start=1):
@@ -523,8 +557,8 @@ def needle_difference_figure(result, baseline: str = "full", value: str = "answe
 
 
 def needle_logprob_figure(result) -> go.Figure:
-    """Teacher-forced log p(true answer) vs prompt length, one line per precision: the mean over depths,
-    with bars from the worst to the best depth."""
+    """Teacher-forced log p(true answer) vs prompt length, one line per precision: the mean over the runs at
+    that length (its depths, and seeds with repeats), with bars from the worst to the best run."""
     rows, precisions, lengths, _ = _needle_rows(result)
     fig = go.Figure()
     for label in precisions:
@@ -547,7 +581,7 @@ def needle_logprob_figure(result) -> go.Figure:
         )
     _title(
         fig,
-        "Needle: log p(true answer) vs length (mean over depths; bars: worst to best depth)",
+        "Needle: log p(true answer) vs length (mean over depths and repeats; bars: worst to best run)",
         width=90,
         xaxis={"title": "prompt tokens", "type": "log", "tickvals": lengths, "ticktext": [str(n) for n in lengths]},
         yaxis_title="log p(true answer), nats",

@@ -31,6 +31,10 @@ Prompt layout (one user turn in the model's chat template, then the start of the
   reply decoded token by token.
 - Score: exact match (the expected answer appears in the generated text, both normalised: NFKC, case,
   digit separators, punctuation) and the answer's log-probability (natural log, summed over its tokens).
+- Repeats: one cell is one needle, so a found count over a grid of 15 cells moves by cells between
+  settings alike in every other measure. `repeats` runs the grid again with the next seeds (new needles,
+  e.g. new passkeys, at the same lengths and depths); `summarize` gives each precision's found rate over
+  all its runs with a 95% Wilson interval, and `found_check` judges a bar against it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from __future__ import annotations
 import bisect
 import csv
 import json
+import math
 import random
 import re
 import time
@@ -456,9 +461,16 @@ class NeedleRow:
     stopped: str  # "eos" | "length" | "answer_end"
     prefill_s: float  # the cell's one shared full-precision prefill
     seconds: float  # this precision's own work: suffix, answer log-prob, greedy answer
+    seed: int = 0  # the needle's seed (cell_rng): repeats of a cell differ in it
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def cell_key(row: dict) -> tuple[int, float, int]:
+    """(length, depth, seed) of a row dict: the run it is, whatever its precision (reports written before
+    repeats carry no seed: one seed per grid)."""
+    return row["length"], row["depth"], row.get("seed", 0)
 
 
 def transplant(
@@ -554,6 +566,7 @@ def run_cell(
     on_row: Callable[[NeedleRow], None] | None = None,
     prefill_mode: str = "exact",
     codebooks=None,
+    seed: int = 0,
 ) -> list[NeedleRow]:
     """Every precision on one prompt: one shared prefill, then per precision suffix + score + answer.
 
@@ -561,7 +574,8 @@ def run_cell(
     full-precision row last, as it reuses the prefilled cache). Stops early (fewer rows) on `should_stop`.
     prefill_mode (runner.PREFILL_MODES): "exact" stores the shared full-precision prefill quantized per
     precision; "chunked" prefills the haystack into each quantized cache chunk by chunk instead.
-    codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own).
+    codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own). seed: the seed the
+    task and prompt were drawn with, recorded in each row.
     """
     if prefill_mode not in runner.PREFILL_MODES:
         raise NeedleError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(runner.PREFILL_MODES)}")
@@ -608,6 +622,7 @@ def run_cell(
             stopped="answer_end" if reason == "cancelled" else reason,
             prefill_s=round(prefill_s, 3),
             seconds=round(time.perf_counter() - t1, 3),
+            seed=seed,
         )
         rows[i] = row
         if on_row is not None:
@@ -633,6 +648,7 @@ class NeedleResult:
     notes: list[str] = field(default_factory=list)
     prefill_mode: str = "exact"
     codebooks: str | None = None  # what the nuq precisions' levels were fitted on (None: no nuq precision)
+    repeats: int = 1  # every cell run with seeds seed .. seed + repeats - 1
 
     def to_dict(self) -> dict:
         out = {
@@ -641,6 +657,7 @@ class NeedleResult:
             "prefill_mode": self.prefill_mode,
             "haystack": self.haystack,
             "seed": self.seed,
+            "repeats": self.repeats,
             "lengths": self.lengths,
             "depths": self.depths,
             "precisions": self.precisions,
@@ -655,35 +672,70 @@ class NeedleResult:
         return out
 
 
+def wilson_interval(found: int, runs: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (95% at z = 1.96) of a found rate `found / runs`, each run taken as an
+    independent trial: it stays inside [0, 1] and is not empty at 0 or `runs` found, unlike the normal one."""
+    if runs <= 0:
+        raise ValueError("no runs")
+    p, z2 = found / runs, z * z
+    centre = (p + z2 / (2 * runs)) / (1 + z2 / runs)
+    half = z * math.sqrt(p * (1 - p) / runs + z2 / (4 * runs * runs)) / (1 + z2 / runs)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def summarize(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[dict]:
-    """Per precision: cells, correct, accuracy, mean answer log-prob, cells that agree with the baseline, and
-    `full_missed`: its cells where the baseline itself missed (a miss there says nothing about quantization)."""
+    """Per precision: cells (runs: a cell per seed), correct, accuracy with its 95% Wilson interval
+    (`found_low`, `found_high`), mean answer log-prob, runs that agree with the baseline on the same
+    (length, depth, seed), and `full_missed`: its runs where the baseline itself missed (a miss there says
+    nothing about quantization)."""
     rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
-    base = {(r["length"], r["depth"]): r for r in rows if r["precision"] == baseline}
+    base = {cell_key(r): r for r in rows if r["precision"] == baseline}
     out = []
     for label in dict.fromkeys(r["precision"] for r in rows):
         mine = [r for r in rows if r["precision"] == label]
-        paired = [r for r in mine if (r["length"], r["depth"]) in base]
-        agree = sum(r["correct"] == base[(r["length"], r["depth"])]["correct"] for r in paired)
+        paired = [(r, base[cell_key(r)]) for r in mine if cell_key(r) in base]
+        found = sum(r["correct"] for r in mine)
+        low, high = wilson_interval(found, len(mine))
         out.append(
             {
                 "precision": label,
                 "cells": len(mine),
-                "correct": sum(r["correct"] for r in mine),
-                "accuracy": round(sum(r["correct"] for r in mine) / len(mine), 4),
+                "correct": found,
+                "accuracy": round(found / len(mine), 4),
+                "found_low": round(low, 4),
+                "found_high": round(high, 4),
                 "mean_answer_logprob": round(sum(r["answer_logprob"] for r in mine) / len(mine), 4),
-                "agree_with_full": agree if paired else None,
-                "full_missed": sum(not base[(r["length"], r["depth"])]["correct"] for r in paired) if paired else None,
+                "agree_with_full": sum(r["correct"] == b["correct"] for r, b in paired) if paired else None,
+                "full_missed": sum(not b["correct"] for _, b in paired) if paired else None,
                 "mean_logprob_change": round(
-                    sum(r["answer_logprob"] - base[(r["length"], r["depth"])]["answer_logprob"] for r in paired)
-                    / len(paired),
-                    4,
+                    sum(r["answer_logprob"] - b["answer_logprob"] for r, b in paired) / len(paired), 4
                 )
                 if paired
                 else None,
             }
         )
     return out
+
+
+def found_check(summary: dict, found: int, cells: int) -> dict:
+    """A precision's found rate against a bar of `found` of `cells` (e.g. issue 17's 13 of 15), on the runs
+    its summary row counts: holds when the 95% Wilson interval lies at or above the bar, does not hold when
+    it lies below, not settled when it straddles it."""
+    bar = found / cells
+    low, high = summary["found_low"], summary["found_high"]
+    verdict = "holds" if low >= bar else "does not hold" if high < bar else "not settled by these runs"
+    return {
+        "precision": summary["precision"],
+        "found": summary["correct"],
+        "runs": summary["cells"],
+        "bar": f"{found}/{cells}",
+        "low": low,
+        "high": high,
+        "verdict": verdict,
+    }
+
+
+MAX_REPEATS = 20  # runs per cell (seeds) one grid may ask for
 
 
 def cell_rng(seed: int, length: int, depth: float) -> random.Random:
@@ -720,10 +772,13 @@ def run_grid(
     should_stop: Callable[[], bool] | None = None,
     prefill_mode: str = "exact",
     codebooks=None,
+    repeats: int = 1,
 ) -> NeedleResult:
     """Every (length, depth) cell at full precision and every precision in `precisions`, same tokens.
     prefill_mode: how each quantized cache stores the haystack (see `run_cell`); codebooks: a
-    `codebooks.Codebooks` for the nuq precisions (default: the model's own).
+    `codebooks.Codebooks` for the nuq precisions (default: the model's own). repeats: run the whole grid
+    with seeds seed, seed + 1, ... (a new needle each time, e.g. a new passkey), so a found rate rests on
+    more than one run per cell; seed by seed, so a cancelled run holds whole grids first.
 
     `document`: the haystack text (a user document); default: the filler for passkey, the bundled prose
     otherwise. `on_progress(done, total, row)` after every row; `should_stop()` ends the run cleanly
@@ -737,6 +792,8 @@ def run_grid(
     for d in depths:
         if not 0 <= d <= 100:
             raise NeedleError(f"depth {d:g} is outside 0..100 (percent of the haystack)")
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise NeedleError(f"repeats must be 1..{MAX_REPEATS}, not {repeats}")
     probe = make_task(kind, cell_rng(seed, 0, 0.0), needle, question, answer, num_keys)  # validates the needle
     new_tokens = max_new_tokens or probe.max_new_tokens
     for n in lengths:
@@ -752,7 +809,7 @@ def run_grid(
     else:
         name, hay = default_haystack(kind)
         joiner = " " if name == "filler" else "\n\n"
-    total = len(lengths) * len(depths) * len(specs)
+    total = len(lengths) * len(depths) * len(specs) * repeats
     rows: list[NeedleRow] = []
     notes: list[str] = []
     t0 = time.perf_counter()
@@ -765,23 +822,26 @@ def run_grid(
         if on_progress is not None:
             on_progress(len(finished), total, row)
 
-    for length in lengths:
-        for depth in depths:
-            if should_stop is not None and should_stop():
-                stopped = "cancelled"
-                break
-            rng = cell_rng(seed, length, depth)
-            task = make_task(kind, rng, needle, question, answer, num_keys)
-            if max_new_tokens:
-                task.max_new_tokens = max_new_tokens
-            prompt = build_prompt(lm, task, hay, length, depth, rng, joiner)
-            if prompt.haystack_copies > 1 and name != "filler":
-                note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
-                notes += [note] if note not in notes else []
-            done = run_cell(lm, task, prompt, specs, should_stop, on_row, prefill_mode, codebooks)
-            rows += done
-            if len(done) < len(specs):
-                stopped = "cancelled"
+    for run_seed in range(seed, seed + repeats):
+        for length in lengths:
+            for depth in depths:
+                if should_stop is not None and should_stop():
+                    stopped = "cancelled"
+                    break
+                rng = cell_rng(run_seed, length, depth)
+                task = make_task(kind, rng, needle, question, answer, num_keys)
+                if max_new_tokens:
+                    task.max_new_tokens = max_new_tokens
+                prompt = build_prompt(lm, task, hay, length, depth, rng, joiner)
+                if prompt.haystack_copies > 1 and name != "filler":
+                    note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
+                    notes += [note] if note not in notes else []
+                done = run_cell(lm, task, prompt, specs, should_stop, on_row, prefill_mode, codebooks, run_seed)
+                rows += done
+                if len(done) < len(specs):
+                    stopped = "cancelled"
+                    break
+            if stopped == "cancelled":
                 break
         if stopped == "cancelled":
             break
@@ -799,6 +859,7 @@ def run_grid(
         notes,
         prefill_mode,
         books.used_by(lm, specs, codebooks),
+        repeats,
     )
 
 

@@ -6,6 +6,7 @@ out-of-memory and Stop keep the app serving, and four sessions at once queue on 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -459,6 +460,29 @@ def test_cancel_keeps_the_complete_grid_and_shows_the_partial_one_beside_it(monk
     assert partial["stopped"] == "cancelled" and len(partial["rows"]) == 1 and partial["seconds"] >= 0.05
     assert any("Cancelled run (partial): 1 of 8 runs" in i.value for i in at.info)
     assert len(at.get("download_button")) == 4  # the complete grid's CSV/JSON and the partial one's
+
+
+def test_needle_repeats_run_each_cell_with_new_needles_and_show_found_rates():
+    from kvdemo import needle
+
+    at = start("app_pages/needle.py")
+    at.text_input(key="needle_lengths").set_value("160")
+    at.text_input(key="needle_depths").set_value("50")
+    at.multiselect(key="needle_precisions").set_value(["full", "int4"])
+    at.number_input(key="needle_repeats").set_value(2)
+    at.button(key="needle_run").click().run()
+    assert not at.exception and not at.error
+    out = at.session_state["needle_result"]
+    assert out["repeats"] == 2 and [(r["seed"], r["precision"]) for r in out["rows"]] == [
+        (0, "full"), (0, "int4"), (1, "full"), (1, "int4")
+    ]  # fmt: skip
+    summary, answers = (d.value for d in at.dataframe)
+    assert {"found_low", "found_high"} <= set(summary.columns) and list(summary["cells"]) == [2, 2]
+    assert "seed" in answers.columns and sorted(answers["seed"]) == [0, 0, 1, 1]
+    heat = json.loads(at.get("plotly_chart")[0].proto.spec)
+    labels = [t for trace in heat["data"] for row in trace["text"] for t in row]
+    assert all(re.match(r"[0-2]/2<br>", t) for t in labels), labels  # found of the cell's 2 runs
+    assert at.number_input(key="needle_repeats").max == needle.MAX_REPEATS
 
 
 def test_rejected_needle_setting_leaves_no_progress_bar():

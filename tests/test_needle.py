@@ -42,7 +42,7 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**(base | kw))
 
 
-def _row(precision: str, length: int, depth: float, correct: bool, logprob: float) -> needle.NeedleRow:
+def _row(precision: str, length: int, depth: float, correct: bool, logprob: float, seed: int = 0) -> needle.NeedleRow:
     return needle.NeedleRow(
         length=length,
         depth=depth,
@@ -61,6 +61,7 @@ def _row(precision: str, length: int, depth: float, correct: bool, logprob: floa
         stopped="answer_end",
         prefill_s=0.1,
         seconds=0.2,
+        seed=seed,
     )
 
 
@@ -104,6 +105,80 @@ def test_summary_and_cli_text_say_where_full_precision_itself_missed():
     assert s["full"]["full_missed"] == 1 and s["int4"]["full_missed"] == 1
     text = needle_cli.format_text(result.to_dict())
     assert "full precision itself missed 1 of 2 cells" in text
+
+
+def test_wilson_interval_known_values():
+    assert needle.wilson_interval(0, 10) == pytest.approx((0.0, 0.277540), abs=1e-5)
+    assert needle.wilson_interval(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-5)
+    assert needle.wilson_interval(15, 15) == pytest.approx((0.796111, 1.0), abs=1e-5)
+    lows = [needle.wilson_interval(k, 30)[0] for k in range(31)]
+    assert lows == sorted(lows) and len(set(lows)) == 31  # more found, a higher floor
+    assert needle.wilson_interval(110, 150)[1] - needle.wilson_interval(110, 150)[0] < (
+        needle.wilson_interval(11, 15)[1] - needle.wilson_interval(11, 15)[0]
+    )  # ten times the runs, a narrower interval
+    with pytest.raises(ValueError, match="no runs"):
+        needle.wilson_interval(0, 0)
+
+
+def test_summary_pairs_repeats_by_seed():
+    """Runs of the same cell with other seeds are other needles: agreement and log-prob change pair the
+    same seed, never another seed's run of the cell."""
+    rows = [
+        _row("full", 1024, 50.0, True, -0.1, seed=0),
+        _row("int2", 1024, 50.0, False, -3.0, seed=0),
+        _row("full", 1024, 50.0, False, -2.0, seed=1),
+        _row("int2", 1024, 50.0, True, -0.5, seed=1),
+    ]
+    s = {r["precision"]: r for r in needle.summarize(rows)}
+    assert s["int2"]["cells"] == 2 and s["int2"]["correct"] == 1 and s["int2"]["agree_with_full"] == 0
+    assert s["int2"]["full_missed"] == 1
+    assert s["int2"]["mean_logprob_change"] == pytest.approx(((-3.0 + 0.1) + (-0.5 + 2.0)) / 2)
+    assert (s["int2"]["found_low"], s["int2"]["found_high"]) == pytest.approx(needle.wilson_interval(1, 2), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "found, runs, verdict",
+    [
+        (150, 150, "holds"),
+        (60, 150, "does not hold"),
+        (13, 15, "not settled by these runs"),
+        (11, 15, "not settled by these runs"),
+    ],
+)
+def test_found_check_judges_the_bar_by_the_interval(found, runs, verdict):
+    rows = [_row("nuq2:o1", 1024, float(i), i < found, -1.0) for i in range(runs)]
+    (summary,) = needle.summarize(rows)
+    check = needle.found_check(summary, 13, 15)
+    assert check["verdict"] == verdict and check["bar"] == "13/15" and (check["found"], check["runs"]) == (found, runs)
+    line = needle_cli.found_line(check)
+    assert line.startswith(
+        f"nuq2:o1 finds the needle in >= 13/15 of cells: {verdict} (found {found}/{runs} runs, 95% ["
+    )
+
+
+def test_repeats_in_the_text_report_and_figures():
+    rows = [
+        _row("full", 1024, 0.0, True, -0.1, seed=0),
+        _row("int2", 1024, 0.0, True, -1.0, seed=0),
+        _row("full", 1024, 0.0, False, -2.0, seed=1),
+        _row("int2", 1024, 0.0, False, -3.0, seed=1),
+        _row("full", 1024, 0.0, True, -0.3, seed=2),
+        _row("int2", 1024, 0.0, False, -2.0, seed=2),
+    ]
+    result = needle.NeedleResult("m", "passkey", "filler", 0, [1024], [0.0], ["full", "int2"], rows, 1.0, "done")
+    result.repeats = 3
+    out = result.to_dict()
+    assert out["repeats"] == 3 and [r["seed"] for r in out["rows"]] == [0, 0, 1, 1, 2, 2]
+    text = needle_cli.format_text(out)
+    assert "seeds: 0..2" in text and "2/3" in text and "1/3" in text  # full found 2 of 3, int2 1 of 3
+    assert "full precision itself missed 1 of 3 runs" in text
+    heat = figures.needle_heatmap_figure(out)
+    assert heat.data[0].z[0][0] == pytest.approx(2 / 3) and heat.data[1].z[0][0] == pytest.approx(1 / 3)
+    assert heat.data[1].text[0][0] == f"1/3<br>-2.00<br>({figures.FULL_MISSED} 1)"
+    diff = figures.needle_difference_figure(out)  # same seed against same seed
+    assert diff.data[0].z[0][0] == pytest.approx(((-1.0 + 0.1) + (-3.0 + 2.0) + (-2.0 + 0.3)) / 3)
+    correct = figures.needle_difference_figure(out, value="correct")
+    assert correct.data[0].z[0][0] == pytest.approx((0 + 0 - 1) / 3)
 
 
 # --- text handling -------------------------------------------------------------------------------------
@@ -176,6 +251,8 @@ def test_bad_needles_are_value_errors(kw, message):
         ({"haystack_file": "/nonexistent/doc.txt"}, "haystack file not found"),
         ({"kind": "custom", "needle": "The code is 7.", "question": "Code?", "answer": "9"}, "must appear"),
         ({"precision": "int5"}, "unknown precision"),
+        ({"repeats": 0}, "--repeats must be 1..20"),
+        ({"repeats": 21}, "--repeats must be 1..20"),
     ],
 )
 def test_cli_settings_fail_before_loading_the_model(kw, message):
@@ -356,6 +433,30 @@ def test_cancel_and_bad_lengths(lm):
         needle.run_grid(lm, [lm.max_context], [50], "int4")
     with pytest.raises(ValueError, match="outside 0..100"):
         needle.run_grid(lm, [256], [-1], "int4")
+    with pytest.raises(ValueError, match="repeats must be 1..20"):
+        needle.run_grid(lm, [256], [50], "int4", repeats=0)
+
+
+@pytest.mark.model
+def test_repeats_run_new_needles_seed_by_seed(lm):
+    """repeats=2 runs the grid with seeds 3 and 4: seed 3's runs equal a one-seed grid at seed 3, and seed 4
+    hides another passkey at the same cells."""
+    one = needle.run_grid(lm, [200], [0, 100], "int4", seed=3)
+    seen = []
+    two = needle.run_grid(lm, [200], [0, 100], "int4", seed=3, repeats=2, on_progress=lambda d, t, r: seen.append(t))
+    assert two.repeats == 2 and two.to_dict()["repeats"] == 2 and set(seen) == {8}
+    assert [(r.seed, r.depth, r.precision) for r in two.rows] == [
+        (s, d, p) for s in (3, 4) for d in (0, 100) for p in ("full", "int4")
+    ]  # seed by seed: a cancelled run holds whole grids first
+    timing = {"prefill_s", "seconds"}
+
+    def same(r):
+        return {k: v for k, v in r.to_dict().items() if k not in timing}
+
+    assert [same(r) for r in two.rows[:4]] == [same(r) for r in one.rows]
+    assert {r.expected for r in two.rows[:4]}.isdisjoint({r.expected for r in two.rows[4:]})
+    (full, int4) = needle.summarize(two.rows)
+    assert full["cells"] == int4["cells"] == 4
 
 
 @pytest.mark.model

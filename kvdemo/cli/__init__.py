@@ -131,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answer", default="", help="custom expected answer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the grid with seeds seed .. seed+repeats-1 (new needles at the same cells); found rates "
+        "come with a 95%% interval over all runs",
+    )
+    p.add_argument(
         "--codebooks",
         default="",
         help="a codebook file (kvdemo calibrate --out) for the nuq precisions, in place of the model's own",

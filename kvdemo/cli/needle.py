@@ -5,7 +5,16 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from ..needle import NeedleError, _specs_with_full, cell_rng, make_task, parse_numbers, run_grid, save_results
+from ..needle import (
+    MAX_REPEATS,
+    NeedleError,
+    _specs_with_full,
+    cell_rng,
+    make_task,
+    parse_numbers,
+    run_grid,
+    save_results,
+)
 
 
 def read_document(path: str) -> tuple[str, str]:
@@ -21,7 +30,7 @@ def read_document(path: str) -> tuple[str, str]:
 
 def run_cli(args) -> dict:
     """`python -m kvdemo needle --precision ... --lengths ... --depths ... --kind ... [--haystack-file F]
-    [--needle T --question T --answer T] [--seed N] [--out DIR] [--prefill-mode exact|chunked]`."""
+    [--needle T --question T --answer T] [--seed N] [--repeats R] [--out DIR] [--prefill-mode exact|chunked]`."""
     from ..bench import machine_info
     from ..models import load_model
 
@@ -31,6 +40,8 @@ def run_cli(args) -> dict:
     for d in depths:
         if not 0 <= d <= 100:
             raise NeedleError(f"--depths: {d:g} is outside 0..100 (percent of the haystack)")
+    if not 1 <= getattr(args, "repeats", 1) <= MAX_REPEATS:
+        raise NeedleError(f"--repeats must be 1..{MAX_REPEATS}, not {args.repeats}")
     make_task(args.kind, cell_rng(args.seed, 0, 0.0), args.needle, args.question, args.answer)  # fail fast
     document, name = None, "document"
     if args.haystack_file:
@@ -55,6 +66,7 @@ def run_cli(args) -> dict:
         seed=args.seed,
         prefill_mode=getattr(args, "prefill_mode", "exact"),
         codebooks=books,
+        repeats=getattr(args, "repeats", 1),
     )
     out = result.to_dict()
     out["provenance"] = {
@@ -75,6 +87,7 @@ def _command(args) -> str:
         ("--depths", args.depths, "0,25,50,75,100"),
         ("--kind", args.kind, "passkey"),
         ("--seed", args.seed, 0),
+        ("--repeats", getattr(args, "repeats", 1), 1),
         ("--haystack-file", args.haystack_file, ""),
         ("--prefill-mode", getattr(args, "prefill_mode", "exact"), "exact"),
         ("--codebooks", args.codebooks, ""),
@@ -100,38 +113,57 @@ def _depth_label(d: float) -> str:
     return f"{d:g}%"
 
 
+def found_line(check: dict) -> str:
+    """One `kvdemo.needle.found_check` as a sentence (README's verdict lines are these)."""
+    return (
+        f"{check['precision']} finds the needle in >= {check['bar']} of cells: {check['verdict']} "
+        f"(found {check['found']}/{check['runs']} runs, 95% [{check['low']:.1%}, {check['high']:.1%}])"
+    )
+
+
+def _cell_text(runs: list[dict]) -> str:
+    """A grid cell: ok/MISS and log p for one run; found/runs and the mean log p for repeats."""
+    logp = sum(r["answer_logprob"] for r in runs) / len(runs)
+    if len(runs) == 1:
+        return f"{'ok' if runs[0]['correct'] else 'MISS':>6} {logp:>9.3f}"
+    return f"{sum(r['correct'] for r in runs):>3}/{len(runs):<3}{logp:>9.3f}"
+
+
 def format_text(out: dict) -> str:
-    """Per precision, a depth x length grid of pass/fail and answer log-prob, then the summary."""
+    """Per precision, a depth x length grid of pass/fail (found/runs with repeats) and answer log-prob (the
+    mean with repeats), then the summary with each found rate's 95% interval."""
+    repeats = out.get("repeats", 1)
+    seeds = f"seed: {out['seed']}" if repeats == 1 else f"seeds: {out['seed']}..{out['seed'] + repeats - 1}"
     lines = [
-        f"model: {out['model']}  needle: {out['kind']}  haystack: {out['haystack']}  seed: {out['seed']}  "
+        f"model: {out['model']}  needle: {out['kind']}  haystack: {out['haystack']}  {seeds}  "
         f"prefill: {out.get('prefill_mode', 'exact')}  "
         f"({len(out['rows'])} runs, {out['seconds']:.1f} s{', cancelled' if out['stopped'] == 'cancelled' else ''})",
-        "cells: ok/MISS and log p(true answer); depth down, prompt length in tokens across",
+        "cells: ok/MISS (found/runs with repeats) and log p(true answer); depth down, prompt length in tokens across",
     ]
-    cells = {(r["precision"], r["length"], r["depth"]): r for r in out["rows"]}
+    cells: dict[tuple, list[dict]] = {}
+    for r in out["rows"]:
+        cells.setdefault((r["precision"], r["length"], r["depth"]), []).append(r)
     for label in out["precisions"]:
         lines.append(f"\n== {label}")
         lines.append(f"{'depth':>7}" + "".join(f"{n:>16}" for n in out["lengths"]))
         for d in out["depths"]:
-            parts = []
-            for n in out["lengths"]:
-                r = cells.get((label, n, d))
-                parts.append(
-                    f"{'':>16}" if r is None else f"{'ok' if r['correct'] else 'MISS':>6} {r['answer_logprob']:>9.3f}"
-                )
-            lines.append(f"{_depth_label(d):>7}" + "".join(parts))
-    lines.append(f"\n{'precision':<14}{'accuracy':>10}{'mean logp':>11}{'vs full':>10}{'agree':>8}")
+            runs = [cells.get((label, n, d)) for n in out["lengths"]]
+            lines.append(f"{_depth_label(d):>7}" + "".join(f"{'' if r is None else _cell_text(r):>16}" for r in runs))
+    lines.append(f"\n{'precision':<14}{'found':>9}{'95% interval':>16}{'mean logp':>11}{'vs full':>10}{'agree':>10}")
     for s in out["summary"]:
         change = "" if s["mean_logprob_change"] is None else f"{s['mean_logprob_change']:+.3f}"
         agree = "" if s["agree_with_full"] is None else f"{s['agree_with_full']}/{s['cells']}"
+        interval = f"[{s['found_low']:.0%}, {s['found_high']:.0%}]" if "found_low" in s else ""
+        found = f"{s['correct']}/{s['cells']}"
         lines.append(
-            f"{s['precision']:<14}{s['correct']:>4}/{s['cells']:<3} {s['mean_answer_logprob']:>10.3f}{change:>10}{agree:>8}"
+            f"{s['precision']:<14}{found:>9}{interval:>16}{s['mean_answer_logprob']:>11.3f}{change:>10}{agree:>10}"
         )
     full = [r for r in out["rows"] if r["precision"] == "full"]
     missed = sum(not r["correct"] for r in full)
     if missed:
         lines.append(
-            f"note: full precision itself missed {missed} of {len(full)} cells: there a quantized miss says "
+            f"note: full precision itself missed {missed} of {len(full)} {'cells' if repeats == 1 else 'runs'}: "
+            "there a quantized miss says "
             "nothing about quantization (compare log p instead, or use a stronger --model)"
         )
     for note in out.get("notes", []):
