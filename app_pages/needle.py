@@ -12,7 +12,17 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo import figures, prefill_modes, rates, runner
-from kvdemo.needle import CSV_COLUMNS, KINDS, MAX_REPEATS, NeedleError, parse_numbers, run_grid, summarize
+from kvdemo.needle import (
+    CSV_COLUMNS,
+    KINDS,
+    MAX_REPEATS,
+    NeedleError,
+    difference_line,
+    differences_from_full,
+    parse_numbers,
+    run_grid,
+    summarize,
+)
 from kvdemo.runner import PREFILL_MODES
 
 lm = common.model()
@@ -201,6 +211,9 @@ def show(out: dict, key: str = "needle") -> None:
     found = {"accuracy": "found", "found_low": "found, 95% low", "found_high": "found, 95% high"}
     percent = {c: st.column_config.NumberColumn(label, format="percent") for c, label in found.items()}
     st.dataframe(summary, hide_index=True, key=f"{key}_summary", column_config=percent)
+    if out.get("repeats", 1) > 1:  # found rates against full precision, paired on the same needles
+        for d in differences_from_full(out["rows"]):
+            st.caption(difference_line(d))
     st.plotly_chart(figures.needle_heatmap_figure(out), key=f"{key}_heatmap")
     precisions = list(dict.fromkeys(r["precision"] for r in out["rows"]))
     if "full" in precisions and len(precisions) > 1:

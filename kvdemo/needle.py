@@ -735,6 +735,56 @@ def found_check(summary: dict, found: int, cells: int) -> dict:
     }
 
 
+def found_difference(rows: Sequence[NeedleRow | dict], a: str, b: str, draws: int = 2000, seed: int = 0) -> dict:
+    """Precision `a`'s found rate minus `b`'s on the runs both have (same length, depth and seed: the same
+    needle), with a 95% interval from a paired bootstrap over those runs (`draws` seeded resamples). Verdict:
+    which finds more when the interval excludes zero, else not settled by these runs."""
+    rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
+    found_b = {cell_key(r): r["correct"] for r in rows if r["precision"] == b}
+    diffs = [float(r["correct"]) - found_b[cell_key(r)] for r in rows if r["precision"] == a and cell_key(r) in found_b]
+    if not diffs:
+        raise ValueError(f"{a} and {b} share no runs")
+    rng = random.Random(f"kvdemo-found-difference:{seed}")
+    n = len(diffs)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(draws))
+    low, high = means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+    verdict = f"{a} finds more" if low > 0 else f"{b} finds more" if high < 0 else "not settled by these runs"
+    return {
+        "a": a,
+        "b": b,
+        "runs": n,
+        "difference": round(sum(diffs) / n, 4),
+        "low": round(low, 4),
+        "high": round(high, 4),
+        "verdict": verdict,
+    }
+
+
+def found_line(check: dict) -> str:
+    """One `kvdemo.needle.found_check` as a sentence (README's verdict lines are these)."""
+    return (
+        f"{check['precision']} finds the needle in >= {check['bar']} of cells: {check['verdict']} "
+        f"(found {check['found']}/{check['runs']} runs, 95% [{check['low']:.1%}, {check['high']:.1%}])"
+    )
+
+
+def difference_line(d: dict) -> str:
+    """One `kvdemo.needle.found_difference` as a sentence."""
+    return (
+        f"{d['a']} against {d['b']}: found rate {d['difference']:+.1%} (95% {d['low']:+.1%}..{d['high']:+.1%}, "
+        f"paired over {d['runs']} runs): {d['verdict']}"
+    )
+
+
+def differences_from_full(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[dict]:
+    """`found_difference` of every other precision against `baseline`, in the rows' order (none without it)."""
+    rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
+    labels = list(dict.fromkeys(r["precision"] for r in rows))
+    if baseline not in labels:
+        return []
+    return [found_difference(rows, label, baseline) for label in labels if label != baseline]
+
+
 MAX_REPEATS = 20  # runs per cell (seeds) one grid may ask for
 
 

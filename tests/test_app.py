@@ -479,6 +479,7 @@ def test_needle_repeats_run_each_cell_with_new_needles_and_show_found_rates():
     summary, answers = (d.value for d in at.dataframe)
     assert {"found_low", "found_high"} <= set(summary.columns) and list(summary["cells"]) == [2, 2]
     assert "seed" in answers.columns and sorted(answers["seed"]) == [0, 0, 1, 1]
+    assert any(c.value.startswith("int4 against full: found rate ") for c in at.caption)
     heat = json.loads(at.get("plotly_chart")[0].proto.spec)
     labels = [t for trace in heat["data"] for row in trace["text"] for t in row]
     assert all(re.match(r"[0-2]/2<br>", t) for t in labels), labels  # found of the cell's 2 runs

@@ -150,10 +150,27 @@ def test_found_check_judges_the_bar_by_the_interval(found, runs, verdict):
     (summary,) = needle.summarize(rows)
     check = needle.found_check(summary, 13, 15)
     assert check["verdict"] == verdict and check["bar"] == "13/15" and (check["found"], check["runs"]) == (found, runs)
-    line = needle_cli.found_line(check)
+    line = needle.found_line(check)
     assert line.startswith(
         f"nuq2:o1 finds the needle in >= 13/15 of cells: {verdict} (found {found}/{runs} runs, 95% ["
     )
+
+
+def test_found_difference_pairs_the_same_needle_and_settles_only_with_enough_runs():
+    def runs(label, pattern, seeds):
+        return [_row(label, 1024, 50.0, ok, -1.0, seed=s) for s, ok in zip(range(seeds), pattern * seeds, strict=False)]
+
+    many = runs("nuq2:o1", [True, True, True, False], 80) + runs("int2", [True, False, False, False], 80)
+    d = needle.found_difference(many, "nuq2:o1", "int2")
+    assert (d["runs"], d["difference"]) == (80, 0.5) and d["low"] > 0 and d["verdict"] == "nuq2:o1 finds more"
+    assert needle.found_difference(many, "nuq2:o1", "int2") == d  # seeded: the same draws every time
+    assert needle.found_difference(many, "int2", "nuq2:o1")["verdict"] == "nuq2:o1 finds more"
+    few = runs("nuq2:o1", [True, False], 4) + runs("int2", [False, True], 4)  # each finds 2, never the same needle
+    f = needle.found_difference(few, "nuq2:o1", "int2")
+    assert f["difference"] == 0 and f["low"] < 0 < f["high"] and f["verdict"] == "not settled by these runs"
+    assert needle.difference_line(d).startswith("nuq2:o1 against int2: found rate +50.0% (95% +")
+    with pytest.raises(ValueError, match="share no runs"):
+        needle.found_difference(many, "nuq2:o1", "full")
 
 
 def test_repeats_in_the_text_report_and_figures():
@@ -172,6 +189,7 @@ def test_repeats_in_the_text_report_and_figures():
     text = needle_cli.format_text(out)
     assert "seeds: 0..2" in text and "2/3" in text and "1/3" in text  # full found 2 of 3, int2 1 of 3
     assert "full precision itself missed 1 of 3 runs" in text
+    assert "found vs full, same needles: int2 against full: found rate -33.3% (95% " in text
     heat = figures.needle_heatmap_figure(out)
     assert heat.data[0].z[0][0] == pytest.approx(2 / 3) and heat.data[1].z[0][0] == pytest.approx(1 / 3)
     assert heat.data[1].text[0][0] == f"1/3<br>-2.00<br>({figures.FULL_MISSED} 1)"
@@ -179,6 +197,11 @@ def test_repeats_in_the_text_report_and_figures():
     assert diff.data[0].z[0][0] == pytest.approx(((-1.0 + 0.1) + (-3.0 + 2.0) + (-2.0 + 0.3)) / 3)
     correct = figures.needle_difference_figure(out, value="correct")
     assert correct.data[0].z[0][0] == pytest.approx((0 + 0 - 1) / 3)
+    table = needle_cli.repeats_markdown(out).split("\n")
+    assert table[0].startswith("| precision | found, 3 grids | 95% interval | one grid: fewest..most |")
+    low, high = (round(v, 4) for v in needle.wilson_interval(1, 3))  # as the summary keeps them
+    assert table[3] == f"| int2 | 1/3 | {low:.1%}..{high:.1%} | 0/1..1/1 | -2.000 | -1.200 |"
+    assert table[2].startswith("| full | 2/3 |") and table[2].endswith("| -0.800 |  |")
 
 
 # --- text handling -------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from ..needle import (
     NeedleError,
     _specs_with_full,
     cell_rng,
+    difference_line,
+    differences_from_full,
     make_task,
     parse_numbers,
     run_grid,
@@ -113,12 +115,27 @@ def _depth_label(d: float) -> str:
     return f"{d:g}%"
 
 
-def found_line(check: dict) -> str:
-    """One `kvdemo.needle.found_check` as a sentence (README's verdict lines are these)."""
-    return (
-        f"{check['precision']} finds the needle in >= {check['bar']} of cells: {check['verdict']} "
-        f"(found {check['found']}/{check['runs']} runs, 95% [{check['low']:.1%}, {check['high']:.1%}])"
-    )
+def repeats_markdown(out: dict) -> str:
+    """A `needle --repeats R` report as a table: per precision its found count over all runs with the 95%
+    Wilson interval, the fewest and most found in one seed's grid, the mean answer log-prob and its change
+    vs full precision."""
+    lines = [
+        f"| precision | found, {out['repeats']} grids | 95% interval | one grid: fewest..most | mean log p | vs full |",
+        "|---|---|---|---|---|---|",
+    ]
+    per_grid: dict[tuple[str, int], int] = {}
+    for r in out["rows"]:
+        key = (r["precision"], r.get("seed", 0))
+        per_grid[key] = per_grid.get(key, 0) + r["correct"]
+    for s in out["summary"]:
+        counts = [n for (p, _), n in per_grid.items() if p == s["precision"]]
+        cells = s["cells"] // out["repeats"]
+        change = "" if s["precision"] == "full" else f"{s['mean_logprob_change']:+.3f}"
+        lines.append(
+            f"| {s['precision']} | {s['correct']}/{s['cells']} | {s['found_low']:.1%}..{s['found_high']:.1%} | "
+            f"{min(counts)}/{cells}..{max(counts)}/{cells} | {s['mean_answer_logprob']:.3f} | {change} |"
+        )
+    return "\n".join(lines)
 
 
 def _cell_text(runs: list[dict]) -> str:
@@ -158,6 +175,8 @@ def format_text(out: dict) -> str:
         lines.append(
             f"{s['precision']:<14}{found:>9}{interval:>16}{s['mean_answer_logprob']:>11.3f}{change:>10}{agree:>10}"
         )
+    if repeats > 1:
+        lines += [f"found vs full, same needles: {difference_line(d)}" for d in differences_from_full(out["rows"])]
     full = [r for r in out["rows"] if r["precision"] == "full"]
     missed = sum(not r["correct"] for r in full)
     if missed:
