@@ -322,6 +322,29 @@ def test_methods_passkey_table_is_the_needle_report():
             assert _printed(change, s["mean_logprob_change"]) and _fraction(agree) == (s["agree_with_full"], s["cells"])
 
 
+def test_passkey_repeats_table_verdict_and_differences_are_the_repeats_report():
+    """The passkey grid ten times (`needle --repeats 10`): its table, the issue's 13/15 bar judged on all runs,
+    the paired differences README states, and its seed-0 runs equal to the one-grid report, answer for answer."""
+    from kvdemo import needle
+    from kvdemo.cli.needle import repeats_markdown
+
+    report, once = _report("needle_passkey_repeats.json"), _report("needle_passkey.json")
+    assert report["repeats"] == 10 and report["provenance"]["command"] in README
+    table = repeats_markdown(report)
+    assert table in README, "README's passkey repeats table differs from its report"
+    _says_date(README.index(table), report["provenance"]["date"])
+    assert report["summary"] == needle.summarize(report["rows"])  # the summary follows from the rows
+    summary = {s["precision"]: s for s in report["summary"]}
+    assert needle.found_line(needle.found_check(summary["nuq2:o1"], 13, 15)) in README
+    stated = re.findall(r"^- (\S+) against (\S+): found rate", README, re.M)
+    assert len(stated) >= 4
+    for a, b in stated:
+        assert needle.difference_line(needle.found_difference(report["rows"], a, b)) in README
+    timing = {"prefill_s", "seconds", "seed"}
+    first = [{k: v for k, v in r.items() if k not in timing} for r in report["rows"] if r["seed"] == report["seed"]]
+    assert first == [{k: v for k, v in r.items() if k not in timing} for r in once["rows"]]
+
+
 def test_methods_compile_table_is_the_compile_report():
     """The methods' sm_90 compile table: registers, spills and instructions per token from the shipped report."""
     report = _report("compile_sm90_quick.json")
