@@ -34,7 +34,8 @@ Prompt layout (one user turn in the model's chat template, then the start of the
 - Repeats: one cell is one needle, so a found count over a grid of 15 cells moves by cells between
   settings alike in every other measure. `repeats` runs the grid again with the next seeds (new needles,
   e.g. new passkeys, at the same lengths and depths); `summarize` gives each precision's found rate over
-  all its runs with a 95% Wilson interval, and `found_check` judges a bar against it.
+  all its runs with a 95% Wilson interval, and `found_check` judges a bar against it; `paired_difference`
+  compares two precisions on the same needles.
 """
 
 from __future__ import annotations
@@ -735,23 +736,33 @@ def found_check(summary: dict, found: int, cells: int) -> dict:
     }
 
 
-def found_difference(rows: Sequence[NeedleRow | dict], a: str, b: str, draws: int = 2000, seed: int = 0) -> dict:
-    """Precision `a`'s found rate minus `b`'s on the runs both have (same length, depth and seed: the same
-    needle), with a 95% interval from a paired bootstrap over those runs (`draws` seeded resamples). Verdict:
-    which finds more when the interval excludes zero, else not settled by these runs."""
+PAIRED_VALUES = {"correct": "found rate", "answer_logprob": "answer log p"}  # what paired_difference compares
+
+
+def paired_difference(
+    rows: Sequence[NeedleRow | dict], a: str, b: str, value: str = "correct", draws: int = 2000, seed: int = 0
+) -> dict:
+    """Precision `a` minus `b` on the runs both have (same length, depth and seed: the same needle), in found
+    rate (value="correct") or in the answer's log-prob ("answer_logprob"), with a 95% interval from a paired
+    bootstrap over those runs (`draws` seeded resamples). Verdict: which does better when the interval
+    excludes zero, else not settled by these runs."""
+    if value not in PAIRED_VALUES:
+        raise ValueError(f"unknown value {value!r}; allowed: {', '.join(PAIRED_VALUES)}")
     rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
-    found_b = {cell_key(r): r["correct"] for r in rows if r["precision"] == b}
-    diffs = [float(r["correct"]) - found_b[cell_key(r)] for r in rows if r["precision"] == a and cell_key(r) in found_b]
+    of_b = {cell_key(r): float(r[value]) for r in rows if r["precision"] == b}
+    diffs = [float(r[value]) - of_b[cell_key(r)] for r in rows if r["precision"] == a and cell_key(r) in of_b]
     if not diffs:
         raise ValueError(f"{a} and {b} share no runs")
-    rng = random.Random(f"kvdemo-found-difference:{seed}")
+    rng = random.Random(f"kvdemo-paired-difference:{seed}")
     n = len(diffs)
     means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(draws))
     low, high = means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
-    verdict = f"{a} finds more" if low > 0 else f"{b} finds more" if high < 0 else "not settled by these runs"
+    better = "finds more" if value == "correct" else "gives the answer a higher log p"
+    verdict = f"{a} {better}" if low > 0 else f"{b} {better}" if high < 0 else "not settled by these runs"
     return {
         "a": a,
         "b": b,
+        "value": value,
         "runs": n,
         "difference": round(sum(diffs) / n, 4),
         "low": round(low, 4),
@@ -769,20 +780,25 @@ def found_line(check: dict) -> str:
 
 
 def difference_line(d: dict) -> str:
-    """One `kvdemo.needle.found_difference` as a sentence."""
+    """One `kvdemo.needle.paired_difference` as a sentence."""
+    if d["value"] == "correct":
+        amount = f"{d['difference']:+.1%} (95% {d['low']:+.1%}..{d['high']:+.1%}"
+    else:
+        amount = f"{d['difference']:+.3f} nats (95% {d['low']:+.3f}..{d['high']:+.3f}"
     return (
-        f"{d['a']} against {d['b']}: found rate {d['difference']:+.1%} (95% {d['low']:+.1%}..{d['high']:+.1%}, "
-        f"paired over {d['runs']} runs): {d['verdict']}"
+        f"{d['a']} against {d['b']}: {PAIRED_VALUES[d['value']]} {amount}, paired over {d['runs']} runs): "
+        f"{d['verdict']}"
     )
 
 
 def differences_from_full(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[dict]:
-    """`found_difference` of every other precision against `baseline`, in the rows' order (none without it)."""
+    """`paired_difference` of every other precision against `baseline`, found rate then answer log-prob, in
+    the rows' order (none without a baseline)."""
     rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
     labels = list(dict.fromkeys(r["precision"] for r in rows))
     if baseline not in labels:
         return []
-    return [found_difference(rows, label, baseline) for label in labels if label != baseline]
+    return [paired_difference(rows, x, baseline, value) for x in labels if x != baseline for value in PAIRED_VALUES]
 
 
 MAX_REPEATS = 20  # runs per cell (seeds) one grid may ask for

@@ -156,21 +156,32 @@ def test_found_check_judges_the_bar_by_the_interval(found, runs, verdict):
     )
 
 
-def test_found_difference_pairs_the_same_needle_and_settles_only_with_enough_runs():
+def test_paired_difference_pairs_the_same_needle_and_settles_only_with_enough_runs():
     def runs(label, pattern, seeds):
         return [_row(label, 1024, 50.0, ok, -1.0, seed=s) for s, ok in zip(range(seeds), pattern * seeds, strict=False)]
 
     many = runs("nuq2:o1", [True, True, True, False], 80) + runs("int2", [True, False, False, False], 80)
-    d = needle.found_difference(many, "nuq2:o1", "int2")
+    d = needle.paired_difference(many, "nuq2:o1", "int2")
     assert (d["runs"], d["difference"]) == (80, 0.5) and d["low"] > 0 and d["verdict"] == "nuq2:o1 finds more"
-    assert needle.found_difference(many, "nuq2:o1", "int2") == d  # seeded: the same draws every time
-    assert needle.found_difference(many, "int2", "nuq2:o1")["verdict"] == "nuq2:o1 finds more"
+    assert needle.paired_difference(many, "nuq2:o1", "int2") == d  # seeded: the same draws every time
+    assert needle.paired_difference(many, "int2", "nuq2:o1")["verdict"] == "nuq2:o1 finds more"
     few = runs("nuq2:o1", [True, False], 4) + runs("int2", [False, True], 4)  # each finds 2, never the same needle
-    f = needle.found_difference(few, "nuq2:o1", "int2")
+    f = needle.paired_difference(few, "nuq2:o1", "int2")
     assert f["difference"] == 0 and f["low"] < 0 < f["high"] and f["verdict"] == "not settled by these runs"
     assert needle.difference_line(d).startswith("nuq2:o1 against int2: found rate +50.0% (95% +")
     with pytest.raises(ValueError, match="share no runs"):
-        needle.found_difference(many, "nuq2:o1", "full")
+        needle.paired_difference(many, "nuq2:o1", "full")
+    logp = needle.paired_difference(many, "nuq2:o1", "int2", "answer_logprob")  # every run's log p is -1.0
+    assert (logp["difference"], logp["low"], logp["high"]) == (0, 0, 0) and logp[
+        "verdict"
+    ] == "not settled by these runs"
+    rows = [_row("k4v8", 1024, 50.0, True, -0.5 - 0.01 * s, seed=s) for s in range(40)]
+    rows += [_row("k8v4", 1024, 50.0, True, -0.2, seed=s) for s in range(40)]
+    lower = needle.paired_difference(rows, "k4v8", "k8v4", "answer_logprob")
+    assert lower["high"] < 0 and lower["verdict"] == "k8v4 gives the answer a higher log p"
+    assert needle.difference_line(lower).startswith("k4v8 against k8v4: answer log p -0.495 nats (95% -0.")
+    with pytest.raises(ValueError, match="unknown value"):
+        needle.paired_difference(rows, "k4v8", "k8v4", "seconds")
 
 
 def test_repeats_in_the_text_report_and_figures():
@@ -189,7 +200,7 @@ def test_repeats_in_the_text_report_and_figures():
     text = needle_cli.format_text(out)
     assert "seeds: 0..2" in text and "2/3" in text and "1/3" in text  # full found 2 of 3, int2 1 of 3
     assert "full precision itself missed 1 of 3 runs" in text
-    assert "found vs full, same needles: int2 against full: found rate -33.3% (95% " in text
+    assert "vs full, same needles: int2 against full: found rate -33.3% (95% " in text
     heat = figures.needle_heatmap_figure(out)
     assert heat.data[0].z[0][0] == pytest.approx(2 / 3) and heat.data[1].z[0][0] == pytest.approx(1 / 3)
     assert heat.data[1].text[0][0] == f"1/3<br>-2.00<br>({figures.FULL_MISSED} 1)"

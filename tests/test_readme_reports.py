@@ -339,7 +339,7 @@ def test_passkey_repeats_table_verdict_and_differences_are_the_repeats_report():
     stated = re.findall(r"^- (\S+) against (\S+): found rate", README, re.M)
     assert len(stated) >= 4
     for a, b in stated:
-        assert needle.difference_line(needle.found_difference(report["rows"], a, b)) in README
+        assert needle.difference_line(needle.paired_difference(report["rows"], a, b)) in README
     timing = {"prefill_s", "seconds", "seed"}
     first = [{k: v for k, v in r.items() if k not in timing} for r in report["rows"] if r["seed"] == report["seed"]]
     assert first == [{k: v for k, v in r.items() if k not in timing} for r in once["rows"]]

@@ -176,7 +176,7 @@ def format_text(out: dict) -> str:
             f"{s['precision']:<14}{found:>9}{interval:>16}{s['mean_answer_logprob']:>11.3f}{change:>10}{agree:>10}"
         )
     if repeats > 1:
-        lines += [f"found vs full, same needles: {difference_line(d)}" for d in differences_from_full(out["rows"])]
+        lines += [f"vs full, same needles: {difference_line(d)}" for d in differences_from_full(out["rows"])]
     full = [r for r in out["rows"] if r["precision"] == "full"]
     missed = sum(not r["correct"] for r in full)
     if missed:
