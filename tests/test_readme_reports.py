@@ -7,7 +7,8 @@ import re
 import statistics
 from pathlib import Path
 
-from kvdemo import bench, ppl
+from kvdemo import bench, needle, ppl
+from kvdemo.cli.needle import repeats_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "assets" / "reports"
@@ -145,32 +146,37 @@ def test_drift_sink_claim_matches_drift_json():
     assert _printed(claim.group(1), ratio)
 
 
-NEEDLE_FILES = {"passkey": "needle_passkey.json", "multikey": "needle_multikey.json"}
+def _paired_lines(text: str) -> list[tuple[str, str, str]]:
+    """(a, b, value) of every "- A against B: found rate|answer log p ..." line in `text`."""
+    values = {label: value for value, label in needle.PAIRED_VALUES.items()}
+    found = re.findall(r"^- (\S+) against (\S+): (found rate|answer log p) ", text, re.M)
+    return [(a, b, values[label]) for a, b, label in found]
 
 
-def test_needle_table_matches_needle_reports():
-    at, rows = _table(["kind", "precision", "found", "mean log p", "vs full", "agree", "grid time"])
-    report, seen = None, set()
-    for cells in rows:
-        if cells[0]:
-            kind = cells[0].split()[0]
-            report = _report(NEEDLE_FILES[kind])
-            assert report["kind"] == kind
-            summary = {s["precision"]: s for s in report["summary"]}
-            seen.add(kind)
-            _says_date(at, report["provenance"]["date"])
-            assert report["provenance"]["command"] in README
-        s = summary[cells[1]]
-        assert _fraction(cells[2]) == (s["correct"], s["cells"]), cells
-        assert _printed(cells[3], s["mean_answer_logprob"]), cells
-        if s["precision"] == "full" or s["mean_logprob_change"] is None:  # full against itself: left blank
-            assert cells[4] == "" and cells[5] == "", cells
-        else:
-            assert _printed(cells[4], s["mean_logprob_change"]), cells
-            assert _fraction(cells[5]) == (s["agree_with_full"], s["cells"]), cells
-        if cells[6]:
-            assert cells[6] == f"{len(report['rows'])} runs in {report['seconds']:.0f} s", cells
-    assert seen, "the needle table should name its report"
+def _section(start: str, end: str) -> str:
+    at = README.index(start)
+    return README[at : README.index(end, at)]
+
+
+def test_multikey_grid_is_its_repeats_report():
+    """The needle section's multikey grid (`--repeats 10`): table, paired lines and the claims in its prose."""
+    report = _report("needle_multikey.json")
+    assert report["kind"] == "multikey" and report["repeats"] == 10
+    assert report["provenance"]["command"] in README
+    table = repeats_markdown(report)
+    assert table in README, "README's multikey table differs from assets/reports/needle_multikey.json"
+    _says_date(README.index(table), report["provenance"]["date"])
+    assert report["summary"] == needle.summarize(report["rows"])
+    text = _section("Measured on the embedded model (`assets/reports/needle_multikey.json`", "## Precision strings")
+    stated = _paired_lines(text)
+    assert len(stated) >= 6
+    for a, b, value in stated:
+        assert needle.difference_line(needle.paired_difference(report["rows"], a, b, value)) in text
+    summary = {s["precision"]: s for s in report["summary"]}
+    misses = summary["full"]["cells"] - summary["full"]["correct"]
+    assert f"Full precision itself misses {misses} of the {summary['full']['cells']} needles" in text
+    for precision in ("k8v4", "k4v8", "int4"):  # "... cost 0.031 nats, ... 0.161 and ... 0.206"
+        assert f"{-summary[precision]['mean_logprob_change']:.3f}" in text.split("The answer's log-prob does move")[1]
 
 
 def test_drift_key_value_claims_match_drift_json():
@@ -325,9 +331,6 @@ def test_methods_passkey_table_is_the_needle_report():
 def test_passkey_repeats_table_verdict_and_differences_are_the_repeats_report():
     """The passkey grid ten times (`needle --repeats 10`): its table, the issue's 13/15 bar judged on all runs,
     the paired differences README states, and its seed-0 runs equal to the one-grid report, answer for answer."""
-    from kvdemo import needle
-    from kvdemo.cli.needle import repeats_markdown
-
     report, once = _report("needle_passkey_repeats.json"), _report("needle_passkey.json")
     assert report["repeats"] == 10 and report["provenance"]["command"] in README
     table = repeats_markdown(report)
@@ -336,10 +339,11 @@ def test_passkey_repeats_table_verdict_and_differences_are_the_repeats_report():
     assert report["summary"] == needle.summarize(report["rows"])  # the summary follows from the rows
     summary = {s["precision"]: s for s in report["summary"]}
     assert needle.found_line(needle.found_check(summary["nuq2:o1"], 13, 15)) in README
-    stated = re.findall(r"^- (\S+) against (\S+): found rate", README, re.M)
+    text = _section("**The passkey grid, ten times.**", "## Supported model families")
+    stated = _paired_lines(text)
     assert len(stated) >= 4
-    for a, b in stated:
-        assert needle.difference_line(needle.paired_difference(report["rows"], a, b)) in README
+    for a, b, value in stated:
+        assert needle.difference_line(needle.paired_difference(report["rows"], a, b, value)) in text
     timing = {"prefill_s", "seconds", "seed"}
     first = [{k: v for k, v in r.items() if k not in timing} for r in report["rows"] if r["seed"] == report["seed"]]
     assert first == [{k: v for k, v in r.items() if k not in timing} for r in once["rows"]]
