@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import itertools
 import json
 import math
 import random
@@ -468,6 +469,10 @@ class NeedleRow:
         return asdict(self)
 
 
+def _as_dicts(rows: Sequence[NeedleRow | dict]) -> list[dict]:
+    return [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
+
+
 def cell_key(row: dict) -> tuple[int, float, int]:
     """(length, depth, seed) of a row dict: the run it is, whatever its precision (reports written before
     repeats carry no seed: one seed per grid)."""
@@ -689,7 +694,7 @@ def summarize(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[
     (`found_low`, `found_high`), mean answer log-prob, runs that agree with the baseline on the same
     (length, depth, seed), and `full_missed`: its runs where the baseline itself missed (a miss there says
     nothing about quantization)."""
-    rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
+    rows = _as_dicts(rows)
     base = {cell_key(r): r for r in rows if r["precision"] == baseline}
     out = []
     for label in dict.fromkeys(r["precision"] for r in rows):
@@ -748,7 +753,7 @@ def paired_difference(
     excludes zero, else not settled by these runs."""
     if value not in PAIRED_VALUES:
         raise ValueError(f"unknown value {value!r}; allowed: {', '.join(PAIRED_VALUES)}")
-    rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
+    rows = _as_dicts(rows)
     of_b = {cell_key(r): float(r[value]) for r in rows if r["precision"] == b}
     diffs = [float(r[value]) - of_b[cell_key(r)] for r in rows if r["precision"] == a and cell_key(r) in of_b]
     if not diffs:
@@ -794,7 +799,7 @@ def difference_line(d: dict) -> str:
 def differences_from_full(rows: Sequence[NeedleRow | dict], baseline: str = "full") -> list[dict]:
     """`paired_difference` of every other precision against `baseline`, found rate then answer log-prob, in
     the rows' order (none without a baseline)."""
-    rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
+    rows = _as_dicts(rows)
     labels = list(dict.fromkeys(r["precision"] for r in rows))
     if baseline not in labels:
         return []
@@ -888,28 +893,22 @@ def run_grid(
         if on_progress is not None:
             on_progress(len(finished), total, row)
 
-    for run_seed in range(seed, seed + repeats):
-        for length in lengths:
-            for depth in depths:
-                if should_stop is not None and should_stop():
-                    stopped = "cancelled"
-                    break
-                rng = cell_rng(run_seed, length, depth)
-                task = make_task(kind, rng, needle, question, answer, num_keys)
-                if max_new_tokens:
-                    task.max_new_tokens = max_new_tokens
-                prompt = build_prompt(lm, task, hay, length, depth, rng, joiner)
-                if prompt.haystack_copies > 1 and name != "filler":
-                    note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
-                    notes += [note] if note not in notes else []
-                done = run_cell(lm, task, prompt, specs, should_stop, on_row, prefill_mode, codebooks, run_seed)
-                rows += done
-                if len(done) < len(specs):
-                    stopped = "cancelled"
-                    break
-            if stopped == "cancelled":
-                break
-        if stopped == "cancelled":
+    for run_seed, length, depth in itertools.product(range(seed, seed + repeats), lengths, depths):  # seed by seed
+        if should_stop is not None and should_stop():
+            stopped = "cancelled"
+            break
+        rng = cell_rng(run_seed, length, depth)
+        task = make_task(kind, rng, needle, question, answer, num_keys)
+        if max_new_tokens:
+            task.max_new_tokens = max_new_tokens
+        prompt = build_prompt(lm, task, hay, length, depth, rng, joiner)
+        if prompt.haystack_copies > 1 and name != "filler":
+            note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
+            notes += [note] if note not in notes else []
+        done = run_cell(lm, task, prompt, specs, should_stop, on_row, prefill_mode, codebooks, run_seed)
+        rows += done
+        if len(done) < len(specs):
+            stopped = "cancelled"
             break
     return NeedleResult(
         lm.name,

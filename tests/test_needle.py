@@ -33,6 +33,7 @@ def _args(**kw) -> argparse.Namespace:
         question="",
         answer="",
         seed=0,
+        repeats=1,
         out="",
         json=True,
         model="embedded",

@@ -42,7 +42,7 @@ def run_cli(args) -> dict:
     for d in depths:
         if not 0 <= d <= 100:
             raise NeedleError(f"--depths: {d:g} is outside 0..100 (percent of the haystack)")
-    if not 1 <= getattr(args, "repeats", 1) <= MAX_REPEATS:
+    if not 1 <= args.repeats <= MAX_REPEATS:
         raise NeedleError(f"--repeats must be 1..{MAX_REPEATS}, not {args.repeats}")
     make_task(args.kind, cell_rng(args.seed, 0, 0.0), args.needle, args.question, args.answer)  # fail fast
     document, name = None, "document"
@@ -68,7 +68,7 @@ def run_cli(args) -> dict:
         seed=args.seed,
         prefill_mode=getattr(args, "prefill_mode", "exact"),
         codebooks=books,
-        repeats=getattr(args, "repeats", 1),
+        repeats=args.repeats,
     )
     out = result.to_dict()
     out["provenance"] = {
@@ -89,7 +89,7 @@ def _command(args) -> str:
         ("--depths", args.depths, "0,25,50,75,100"),
         ("--kind", args.kind, "passkey"),
         ("--seed", args.seed, 0),
-        ("--repeats", getattr(args, "repeats", 1), 1),
+        ("--repeats", args.repeats, 1),
         ("--haystack-file", args.haystack_file, ""),
         ("--prefill-mode", getattr(args, "prefill_mode", "exact"), "exact"),
         ("--codebooks", args.codebooks, ""),
