@@ -423,19 +423,14 @@ def _needle_grid(rows: list[dict], precision: str, lengths: list, depths: list, 
 FULL_MISSED = "full missed"  # the label of a cell where full precision itself missed the needle
 
 
-def _full_misses(rows: list[dict], baseline: str = "full") -> dict[tuple[int, float], int]:
-    """(length, depth) -> how many of its runs `baseline` missed, for the cells where it missed any."""
+def full_missed_cells(rows: list[dict], baseline: str = "full") -> dict[tuple[int, float], int]:
+    """(length, depth) -> how many of its runs `baseline` (full precision) itself missed, for the cells where it
+    missed any: there a quantized miss says nothing about quantization."""
     misses: dict[tuple[int, float], int] = {}
     for r in rows:
         if r["precision"] == baseline and not r["correct"]:
             misses[(r["length"], r["depth"])] = misses.get((r["length"], r["depth"]), 0) + 1
     return misses
-
-
-def full_missed_cells(result, baseline: str = "full") -> set[tuple[int, float]]:
-    """(length, depth) of the cells where `baseline` (full precision) itself missed the needle (in any of
-    their runs): there a quantized miss says nothing about quantization."""
-    return set(_full_misses(_needle_rows(result)[0], baseline))
 
 
 def _missed_label(runs: int, misses: int) -> str:
@@ -444,7 +439,7 @@ def _missed_label(runs: int, misses: int) -> str:
 
 def _needle_texts(rows: list[dict], precision: str, lengths: list, depths: list, misses=None) -> list[list[str]]:
     """Cell labels: ok/miss and the answer's log-prob (found/runs and the mean log-prob with repeats), and
-    FULL_MISSED where full precision missed (with how many of the runs, with repeats); misses: `_full_misses`."""
+    FULL_MISSED where full precision missed (with how many of the runs, with repeats); misses: `full_missed_cells`."""
     cells, misses = _needle_cells(rows, precision), misses or {}
 
     def label(runs: list[dict], missed: int) -> str:
@@ -494,7 +489,7 @@ def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
     rows, precisions, lengths, depths = _needle_rows(result)
     fig = _needle_panels(precisions, f"Needle in a haystack: {_NEEDLE_VALUES.get(value, value)} by depth and length")
     bounded = value in ("correct", "answer_prob")
-    missed = _full_misses(rows)
+    missed = full_missed_cells(rows)
     for i, label in enumerate(precisions, start=1):
         _needle_panel(
             fig,
@@ -532,7 +527,7 @@ def needle_difference_figure(result, baseline: str = "full", value: str = "answe
                 changes.setdefault((r["length"], r["depth"]), []).append(_needle_value(r, value) - base[cell_key(r)])
         diffs[label] = [[sum(c) / len(c) if (c := changes.get((n, d))) else None for n in lengths] for d in depths]
     span = max([abs(v) for d in diffs.values() for r in d for v in r if v is not None] + [1e-3])
-    missed = full_missed_cells(result, baseline)
+    missed = full_missed_cells(rows, baseline)
     for i, (label, diff) in enumerate(diffs.items(), start=1):
         _needle_panel(
             fig,

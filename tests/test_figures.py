@@ -85,7 +85,7 @@ def test_needle_difference_panels_put_each_depth_on_the_same_row():
 
 def test_cells_where_full_precision_missed_are_marked():
     result = _result()
-    assert figures.full_missed_cells(result) == {(n, 90.0) for n in LENGTHS}
+    assert figures.full_missed_cells(result["rows"]) == {(n, 90.0): 1 for n in LENGTHS}  # one run per cell
     for fig in (figures.needle_heatmap_figure(result), figures.needle_difference_figure(result)):
         for trace in fig.data:
             for depth, texts in zip(trace.y, trace.text, strict=True):
