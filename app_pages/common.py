@@ -25,6 +25,7 @@ from kvdemo.precision import (
     DEFAULT_GROUP,
     DEFAULT_RESIDUAL,
     DEFAULT_SINKS,
+    FORMATS,
     GROUP_SIZES,
     KEY_AXES,
     PRESETS,
@@ -37,6 +38,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES = ("auto", *DTYPES)
 DEFAULT_PRESET = "int4"
 MAX_OUTLIERS = 5.0  # percent of the elements the sidebar lets stay exact
+AS_PRESET = "as the preset"  # the key / value format selects' default: the preset's own format
 DEFAULT_MODEL_KEY = ("embedded", "auto", "auto")  # (source, device, dtype)
 CHAT_RESERVE = 1024  # tokens of the context kept free for the conversation when a document is fitted
 SAMPLE_TOKENS = 1024  # default length of the bundled sample document
@@ -109,6 +111,13 @@ def _precision_section() -> PrecisionSpec | None:
         "fitted per layer (KVQuant); nvfp4 = E2M1 codes with an E4M3 scale per 16 channels.",
     )
     with st.expander("Advanced", expanded=False):
+        parts = st.columns(2)
+        for col, part in zip(parts, ("key", "value"), strict=True):
+            col.selectbox(
+                f"{part.title()} format", [AS_PRESET, *FORMATS[1:]], key=f"kv_{part}_format",
+                help=f"store the {part}s in this format instead of the preset's (e.g. nuq4 keys with nuq2 "
+                "values: `knuq4vnuq2`)",
+            )  # fmt: skip
         st.selectbox("Group size", GROUP_SIZES, index=GROUP_SIZES.index(DEFAULT_GROUP), key="kv_group")
         st.radio(
             "Key groups", KEY_AXES, key="kv_key_axis", horizontal=True, help="channel: KIVI/KVQuant per-channel keys"
@@ -138,10 +147,17 @@ def _precision_section() -> PrecisionSpec | None:
             outliers=float(st.session_state["kv_outliers"]),
             pre_rope=bool(st.session_state["kv_prerope"]),
             hadamard=bool(st.session_state["kv_hadamard"]),
+            key_format=_format_choice("kv_key_format"),
+            value_format=_format_choice("kv_value_format"),
         )
     except ValueError as err:
         _keep_previous_spec(err)
         return None
+
+
+def _format_choice(key: str) -> str | None:
+    chosen = st.session_state[key]
+    return None if chosen == AS_PRESET else chosen
 
 
 def _keep_previous_spec(err: Exception) -> None:

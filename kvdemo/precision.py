@@ -29,7 +29,9 @@ Methods that spend the same bits better (KVQuant, QuaRot, today's engines), each
   before quantization; the attention output is turned back.
 
 Strings: a preset name, optionally followed by options, e.g. ``int4``, ``k8v4``,
-``int4:g64:r128:s4``, ``k8v4:ktoken``, ``nuq3:o1``, ``int4:prerope``, ``k8v4:hadamard``. See `parse_precision`.
+``int4:g64:r128:s4``, ``k8v4:ktoken``, ``nuq3:o1``, ``int4:prerope``, ``k8v4:hadamard``. Keys and values may
+take any two formats, ``k<key>v<value>``: integer codes by their bits (``k8v4``, ``k4v3``), the rest by name
+(``knuq4vnuq2``, ``k8vnuq3``, ``kfp8v4``, ``k8vnvfp4``); options apply to both parts. See `parse_precision`.
 """
 
 from __future__ import annotations
@@ -208,12 +210,30 @@ def has_zero(fmt: str, axis: str) -> bool:
     return fmt.startswith("int") or (fmt.startswith("nuq") and axis == "channel")
 
 
+# a part's format in a mixed name `k<key>v<value>`: integer codes by their bits, the rest by name
+PART_NAMES = {"int8": "8", "int4": "4", "int3": "3", "int2": "2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}
+PART_FORMATS = {**{v: k for k, v in PART_NAMES.items()}, **{f: f for f in FORMATS if f != "full"}}
+
+
 def _kv_name(key_format: str, value_format: str) -> str:
+    """`int4`, `fp8` when keys and values share a format, else `k<key>v<value>`: `k8v4`, `knuq4vnuq2`, `k8vnvfp4`."""
     if key_format == value_format:
         return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}.get(key_format, key_format)
-    if not (key_format.startswith("int") and value_format.startswith("int")):
-        return f"k:{key_format}/v:{value_format}"
-    return f"k{CODE_BITS[key_format]}v{CODE_BITS[value_format]}"
+    return f"k{PART_NAMES.get(key_format, key_format)}v{PART_NAMES.get(value_format, value_format)}"
+
+
+def _mixed(name: str) -> PrecisionSpec | None:
+    """`k<key>v<value>` -> the spec with those formats (PART_FORMATS: `8`, `int8`, `nuq3`, `fp8`, `nvfp4`, ...),
+    None when `name` is not one. nvfp4 keys are scaled per token, so they set the key axis."""
+    if not name.startswith("k"):
+        return None
+    for at in (i for i, c in enumerate(name) if c == "v" and i > 1):
+        key, value = PART_FORMATS.get(name[1:at]), PART_FORMATS.get(name[at + 1 :])
+        if key and value:
+            axis = "token" if key == "nvfp4" else "channel"
+            preset = [p for p in PRESETS.values() if (p.key_format, p.value_format, p.key_axis) == (key, value, axis)]
+            return preset[0] if preset else PrecisionSpec(key, value, key_axis=axis)
+    return None
 
 
 PRESETS: dict[str, PrecisionSpec] = {
@@ -237,18 +257,19 @@ ALIASES = {"fp16": "full", "bf16": "full", "baseline": "full", "fp8-e4m3": "fp8"
 
 
 def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
-    """`int4`, `k8v4`, `int4:g64:r128:s4`, `k8v4:ktoken`, `nuq2:o1:s1`, `int4:prerope`, `k8v4:hadamard`
-    -> PrecisionSpec (ValueError with the reason)."""
+    """`int4`, `k8v4`, `int4:g64:r128:s4`, `k8v4:ktoken`, `nuq2:o1:s1`, `int4:prerope`, `k8v4:hadamard`,
+    `knuq4vnuq2:o1` -> PrecisionSpec (ValueError with the reason)."""
     if isinstance(text, PrecisionSpec):
         return text
     parts = [p.strip() for p in str(text).strip().lower().split(":")]
     name = ALIASES.get(parts[0], parts[0])
-    if name not in PRESETS:
+    spec = PRESETS.get(name) or _mixed(name)
+    if spec is None:
         raise ValueError(
-            f"unknown precision {text!r}; presets: {', '.join(PRESETS)} "
+            f"unknown precision {text!r}; presets: {', '.join(PRESETS)}; or k<key>v<value> with keys and values "
+            f"each one of {', '.join(PART_NAMES.get(f, f) for f in FORMATS[1:])} (e.g. knuq4vnuq2, k8vnuq3) "
             "(options: g<group> r<residual> s<sinks> ktoken o<pct> prerope hadamard, e.g. int4:g64:r128:s4, nuq3:o1)"
         )
-    spec = PRESETS[name]
     options = {}
     for opt in parts[1:]:
         if opt in ("ktoken", "kchannel"):
@@ -280,11 +301,16 @@ def spec_from_options(
     outliers: float = 0.0,
     pre_rope: bool = False,
     hadamard: bool = False,
+    key_format: str | None = None,
+    value_format: str | None = None,
 ) -> PrecisionSpec:
     """The sidebar's settings -> the spec their precision string gives on the CLI: options at their
     default are left out of the string, so the same rules apply (group 256 alone raises the residual
-    to 256, as `int4:g256` does)."""
-    opts = [preset]
+    to 256, as `int4:g256` does). key_format / value_format (FORMATS; None: the preset's) give keys and
+    values their own formats, `k<key>v<value>`."""
+    base = parse_precision(preset)
+    keys, values = key_format or base.key_format, value_format or base.value_format
+    opts = [preset if (keys, values) == (base.key_format, base.value_format) else _kv_name(keys, values)]
     if outliers:
         opts.append(f"o{outliers:g}")
     if pre_rope:
@@ -297,7 +323,7 @@ def spec_from_options(
         opts.append(f"r{residual}")
     if sinks != DEFAULT_SINKS:
         opts.append(f"s{sinks}")
-    if key_axis != "channel" and not preset.startswith("nvfp4"):
+    if key_axis != "channel" and keys != "nvfp4":
         opts.append("ktoken")
     return parse_precision(":".join(opts))
 

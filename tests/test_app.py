@@ -536,6 +536,26 @@ def test_method_options_build_the_spec_and_a_bad_combination_keeps_the_previous_
     assert at.session_state["spec"].label == "nuq3:o1:hadamard"
 
 
+def test_keys_and_values_can_take_their_own_formats():
+    at = start()
+    at.sidebar.selectbox(key="kv_preset").set_value("nuq4").run()
+    at.sidebar.selectbox(key="kv_value_format").set_value("nuq2").run()
+    at.sidebar.number_input(key="kv_outliers").set_value(1.0).run()
+    assert not at.exception and not at.sidebar.error, [e.value for e in at.sidebar.error]
+    spec = at.session_state["spec"]
+    assert (spec.label, spec.key_format, spec.value_format) == ("knuq4vnuq2:o1", "nuq4", "nuq2")
+    assert any("knuq4vnuq2:o1" in m.value for m in at.sidebar.markdown)  # the status card names it
+    at.sidebar.selectbox(key="kv_key_format").set_value("fp8_e4m3").run()  # fp8 has no range for o1 to narrow
+    assert (
+        "key format fp8_e4m3" in at.sidebar.error[0].value and "Still using knuq4vnuq2:o1" in at.sidebar.error[0].value
+    )
+    at.sidebar.number_input(key="kv_outliers").set_value(0.0).run()
+    assert at.session_state["spec"].label == "kfp8vnuq2" and not at.sidebar.error
+    at.sidebar.selectbox(key="kv_value_format").set_value("as the preset").run()
+    at.sidebar.selectbox(key="kv_key_format").set_value("as the preset").run()
+    assert at.session_state["spec"].label == "nuq4"
+
+
 def test_a_spec_the_model_cannot_take_is_rejected_with_the_reason(monkeypatch):
     import kvdemo.runner
 

@@ -134,7 +134,10 @@ def test_sinks_and_residual_are_exact_and_sinks_excluded_from_block_stats():
 
 @pytest.mark.parametrize(
     "spec",
-    ["full", "int8", "int4:s4", "int2", "k8v4", "fp8", "fp8-e5m2", "int4:ktoken", "int4:g32:r64", "int2:g16:r32:s8"],
+    [
+        *("full", "int8", "int4:s4", "int2", "k8v4", "fp8", "fp8-e5m2", "int4:ktoken", "int4:g32:r64"),
+        *("int2:g16:r32:s8", "knuq4vnuq2:o1", "kfp8vnvfp4", "knvfp4v8:s2"),
+    ],
 )
 @pytest.mark.parametrize("n_queries", [1, 5])
 def test_blocked_attention_equals_attention_over_dequantized_cache(spec, n_queries):

@@ -353,6 +353,9 @@ BYTE_SPECS = [
     "nvfp4:g32:s2",
     "nuq3:ktoken:o0.5",
     "int4:o3:g32:r64:s3",
+    "knuq4vnuq2:o1",  # two formats: a codebook per part and format
+    "k8vnvfp4:g32",
+    "knvfp4vnuq3",
 ]
 
 
@@ -375,9 +378,10 @@ def test_cache_bytes_equal_the_layout_formula(spec, updates):
     assert nb["allocated"] >= nb["total"]
     if regions.has_codes:  # the methods' own bytes are really there
         assert (nb["outliers"] > 0) == (s.outliers > 0)
-        assert (nb["codebooks"] > 0) == s.key_format.startswith("nuq")
-        if s.key_format.startswith("nuq"):
-            assert nb["codebooks"] == 2 * 2 * 2 * (1 << s.key_bits)  # layers x (K, V) x levels x fp16
+        levels = sum(
+            1 << bits for fmt, bits in ((s.key_format, s.key_bits), (s.value_format, s.value_bits)) if "nuq" in fmt
+        )
+        assert nb["codebooks"] == 2 * 2 * levels  # layers x fp16 x the levels of K's and V's codebooks
 
 
 # --- 7. attention over the packed past ----------------------------------------------------------------

@@ -83,13 +83,17 @@ METHOD_CASES = [
     ("int8:prerope:ktoken:g16:r16", 1, 2, 32, [45], 1, 2),
     ("nuq4:o1:s1:g16:r16", 1, 4, 32, [70, 1, 1], 1, 2),  # sinks, residual, appends after the prefill
     ("nuq4:o1:prerope:g32:r32", 1, 2, 64, [80], 1, 2),  # the ablation's best combination
+    ("knuq4vnuq2:o1:s1:g16:r16", 1, 2, 32, [60], 1, 2),  # keys and values in two formats: two codebooks
+    ("k8vnuq3:g16:r16", 1, 3, 32, [50, 1], 1, None),  # integer keys, bit-sliced codebook values
+    ("knvfp4v4:g16:r16", 1, 2, 32, [55], 1, 2),  # nvfp4 keys (per token) beside integer values
+    ("k4vnvfp4:prerope:g16:r16", 1, 2, 32, [50], 1, None),  # pre-RoPE integer keys, nvfp4 values
 ]
 
 
 @pytest.mark.parametrize("spec,hkv,grp,head_dim,chunks,n_q,splits", METHOD_CASES)
 def test_methods_match_the_reference(tk, spec, hkv, grp, head_dim, chunks, n_q, splits):
     kv = _packed(spec, hkv, head_dim, chunks, seed=len(spec) + sum(chunks))
-    assert kv.regions.has_codes and not kv.keys.quantized.plain
+    assert kv.regions.has_codes and not (kv.keys.quantized.plain and kv.values.quantized.plain)
     query = torch.randn(1, hkv * grp, n_q, head_dim, generator=torch.Generator().manual_seed(7))
     _compare(tk, query, kv, head_dim**-0.5, num_splits=splits)
 
