@@ -434,3 +434,88 @@ def interval95(draws: torch.Tensor) -> list[float]:
     """The middle 95% of `draws` [R]: [2.5th, 97.5th percentile], 4 significant digits."""
     low, high = torch.quantile(draws, torch.tensor([0.025, 0.975], dtype=draws.dtype)).tolist()
     return [float(f"{low:.4g}"), float(f"{high:.4g}")]
+
+
+# --- keys or values: where a precision's loss sits ---------------------------------------------------
+
+WIDTHS = {"int": (2, 3, 4, 8), "nuq": (2, 3, 4)}  # code widths of each family, for a bit moved between K and V
+SPLIT_ROLES = {  # role -> what it stores
+    "as given": "keys and values as the precision says",
+    "keys alone": "its keys, values at int8",
+    "values alone": "its values, keys at int8",
+    "both at int8": "keys and values at int8 (the floor the two rows above stand on)",
+    "a bit to the keys": "the same mean bits: keys one width wider, values one narrower",
+    "a bit to the values": "the same mean bits: values one width wider, keys one narrower",
+}
+
+
+def kv_split_precisions(spec: PrecisionSpec | str) -> dict[str, str]:
+    """role (SPLIT_ROLES) -> precision label: `spec` itself, its keys alone and its values alone (the other part
+    at int8, near exact), both at int8, and, where the format's family has the widths, the same mean bits with a
+    bit moved between keys and values (nuq3 -> knuq4vnuq2 and knuq2vnuq4). Options (outliers, sinks, ...) stay."""
+    from .precision import CODE_BITS, with_formats
+
+    s = parse_precision(spec)
+    if not s.is_quantized:
+        raise ValueError("full precision stores no codes: there is no loss to split between keys and values")
+    k, v = s.key_format, s.value_format
+    roles = {
+        "as given": s,
+        "keys alone": with_formats(s, k, "int8"),
+        "values alone": with_formats(s, "int8", v),
+        "both at int8": with_formats(s, "int8", "int8"),
+    }
+    family = next((f for f in WIDTHS if k.startswith(f) and v.startswith(f)), None)
+    if family is not None:
+        widths = WIDTHS[family]
+        for role, dk in (("a bit to the keys", 1), ("a bit to the values", -1)):
+            kb, vb = CODE_BITS[k] + dk, CODE_BITS[v] - dk
+            if kb in widths and vb in widths:
+                roles[role] = with_formats(s, f"{family}{kb}", f"{family}{vb}")
+    return {role: r.label for role, r in roles.items() if role == "as given" or r != s}  # k8v4's values: itself
+
+
+def run_kv_split(
+    lm: LoadedModel,
+    precisions: Sequence[PrecisionSpec | str],
+    tokens: int = 4096,
+    prefix: int = 1024,
+    on_progress: Callable[[str], None] | None = None,
+    codebooks=None,
+) -> dict:
+    """`run_ppl` over each precision's `kv_split_precisions` in one run, and per precision ("splits") the roles,
+    the share of its logit KL its keys alone and its values alone reach, and each other role's KL difference
+    from it over resampled text (`split_comparisons`)."""
+    splits = [kv_split_precisions(p) for p in precisions]
+    names = list(dict.fromkeys(label for roles in splits for label in roles.values()))
+    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress, codebooks=codebooks)
+    out["splits"] = [split_summary(out, roles) for roles in splits]
+    return out
+
+
+def split_summary(report: dict, roles: dict[str, str]) -> dict:
+    """One precision's split from a report holding its roles' rows: {"precision", "roles", "kl_share": {"keys
+    alone", "values alone"}, "comparisons": [role vs "as given" on the logit KL]}."""
+    by_name = {r["precision"]: r for r in report["results"]}
+    given = roles["as given"]
+    kl = by_name[given]["logit_kl"]
+    drawn = resampled_figures(report["blocks"])["logit_kl"]
+    comparisons = []
+    for role, label in roles.items():
+        if role != "as given":
+            low, high = interval95(drawn[label] - drawn[given])
+            verdict = "lower" if high < 0 else "higher" if low > 0 else "not settled by this text"
+            comparisons.append(
+                {
+                    "role": role,
+                    "precision": label,
+                    "difference": float(f"{by_name[label]['logit_kl'] - kl:.4g}"),
+                    "difference_ci95": [low, high],
+                    "verdict": verdict,
+                }
+            )
+    share = {  # a part alone over the whole: k8v4's values alone are k8v4 itself (share 1)
+        role: round(by_name[roles.get(role, given)]["logit_kl"] / kl, 4) if kl > 0 else None
+        for role in ("keys alone", "values alone")
+    }
+    return {"precision": given, "roles": roles, "kl_share": share, "comparisons": comparisons}

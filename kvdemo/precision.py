@@ -292,6 +292,13 @@ def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
     return replace(spec, **options)
 
 
+def with_formats(spec: PrecisionSpec | str, key_format: str, value_format: str) -> PrecisionSpec:
+    """`spec` with keys and values stored in these formats, every option kept (`nuq3:o1` with nuq4 keys and
+    nuq2 values: `knuq4vnuq2:o1`); ValueError when the options do not fit the formats."""
+    options = parse_precision(spec).label.split(":")[1:]
+    return parse_precision(":".join([_kv_name(key_format, value_format), *options]))
+
+
 def spec_from_options(
     preset: str,
     group_size: int = DEFAULT_GROUP,

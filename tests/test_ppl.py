@@ -169,3 +169,85 @@ def test_codebooks_option_scores_nuq_with_that_file(lm, capsys, tmp_path):
     codebooks.Codebooks(own.tensors, own.metadata | {"layers": "2"}).save(tmp_path / "other.safetensors")
     assert main(argv + ["--codebooks", str(tmp_path / "other.safetensors")]) == 2
     assert "a 2-layer model" in capsys.readouterr().err
+
+
+# --- keys or values: where a precision's loss sits ------------------------------------------------------
+
+
+def test_kv_split_roles_keep_the_options_and_move_bits_within_a_family():
+    assert ppl.kv_split_precisions("nuq3:o1:s1") == {
+        "as given": "nuq3:o1:s1",
+        "keys alone": "knuq3v8:o1:s1",
+        "values alone": "k8vnuq3:o1:s1",
+        "both at int8": "int8:o1:s1",
+        "a bit to the keys": "knuq4vnuq2:o1:s1",
+        "a bit to the values": "knuq2vnuq4:o1:s1",
+    }
+    int3 = ppl.kv_split_precisions("int3:g64")
+    assert (int3["a bit to the keys"], int3["a bit to the values"]) == ("k4v2:g64", "k2v4:g64")
+    for name in ("as given", "a bit to the keys", "a bit to the values"):  # the same mean bits
+        assert parse_precision(int3[name]).bits_per_element(64)["mean"] == pytest.approx(3.375 + 0.125)
+    assert set(ppl.kv_split_precisions("int4")) == {
+        "as given",
+        "keys alone",
+        "values alone",
+        "both at int8",
+    }  # no 5 or 3+5
+    assert ppl.kv_split_precisions("k8v4") == {"as given": "k8v4", "keys alone": "int8", "both at int8": "int8"}
+    assert "a bit to the keys" not in ppl.kv_split_precisions("nuq2:o1")  # no 1-bit values
+    with pytest.raises(ValueError, match="no loss to split"):
+        ppl.kv_split_precisions("full")
+
+
+def _split_report(kl: dict[str, list[float]]) -> dict:
+    """A report with per-block logit KL (and flat NLL) for each precision, full first."""
+    blocks = {"size": 64, "resamples": 500, "seed": 0, "nll_counts": [64] * 8, "kl_counts": [16] * 8}
+    names = ["full", *kl]
+    blocks["nll"] = {n: [1.0] * 8 for n in names}
+    blocks["logit_kl"] = {"full": [0.0] * 8, **kl}
+    results = [
+        {"precision": n, "ppl": math.e, "delta_vs_full": 0.0, "logit_kl": sum(kl.get(n, [0.0] * 8)) / 8} for n in names
+    ]
+    return {"results": results, "blocks": blocks}
+
+
+def test_split_summary_shares_and_settles_each_role_against_the_precision():
+    wobble = [0.9, 1.1] * 4
+    kl = {
+        "nuq3:o1": [0.02 * w for w in wobble],
+        "knuq3v8:o1": [0.015 * w for w in wobble],
+        "k8vnuq3:o1": [0.005 * w for w in wobble],
+        "int8:o1": [1e-5] * 8,
+        "knuq4vnuq2:o1": [0.02 * w for w in reversed(wobble)],  # same mean, other blocks: not settled
+        "knuq2vnuq4:o1": [0.05 * w for w in wobble],
+    }
+    roles = ppl.kv_split_precisions("nuq3:o1")
+    s = ppl.split_summary(_split_report(kl), roles)
+    assert s["precision"] == "nuq3:o1" and s["kl_share"] == {"keys alone": 0.75, "values alone": 0.25}
+    by_role = {c["role"]: c for c in s["comparisons"]}
+    assert set(by_role) == set(roles) - {"as given"}
+    assert by_role["keys alone"]["verdict"] == "lower" and by_role["a bit to the values"]["verdict"] == "higher"
+    assert by_role["a bit to the keys"]["verdict"] == "not settled by this text"
+    low, high = by_role["a bit to the values"]["difference_ci95"]
+    assert by_role["a bit to the values"]["difference"] == pytest.approx(0.03) and low <= 0.03 <= high
+
+
+def test_cli_kv_split_runs_every_role_once_and_writes_its_report(lm, capsys, tmp_path):
+    from kvdemo.cli.ppl import format_text, split_lines, split_markdown
+
+    argv = ["ppl", "--precision", "int3,k4v2", "--kv-split", "--tokens", "256", "--prefix", "64", "--json"]
+    assert main(argv + ["--out", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "ppl_kv_split.json").read_text()) == out
+    assert out["command"].startswith("python -m kvdemo ppl --model embedded --kv-split --precision int3,k4v2")
+    names = [r["precision"] for r in out["results"]]
+    assert names == ["full", "int3", "k3v8", "k8v3", "int8", "k4v2", "k2v4", "k4v8", "k8v2"]  # k4v2: int3's and its own
+    assert [s["precision"] for s in out["splits"]] == ["int3", "k4v2"]
+    rows = {r["precision"]: r for r in out["results"]}
+    assert out["splits"][0]["kl_share"]["keys alone"] == round(rows["k3v8"]["logit_kl"] / rows["int3"]["logit_kl"], 4)
+    assert out["splits"][1]["roles"]["a bit to the values"] == "int3"
+    table = split_markdown(out)
+    assert table.count("\n") == 2 + len(out["splits"][0]["roles"]) + len(out["splits"][1]["roles"]) - 1
+    assert "| int3 | keys alone | k3v8 |" in table
+    assert split_lines(out)[0].startswith("- int3: its keys alone reach ")
+    assert table in format_text(out)

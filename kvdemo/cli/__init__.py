@@ -179,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         "memory and decode speed of the new formats, written as ablation.json (ignores --precision)",
     )
     p.add_argument(
+        "--kv-split",
+        action="store_true",
+        help="where each --precision's loss sits: also its keys alone and its values alone (the other part at "
+        "int8), both at int8, and the same mean bits with a bit moved between keys and values; written as "
+        "ppl_kv_split.json",
+    )
+    p.add_argument(
         "--codebooks",
         default="",
         help="a codebook file (kvdemo calibrate --out) for the nuq precisions, in place of the model's own",
@@ -186,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         default="",
-        help="also write the report: into this folder as ppl.json (ablation.json with --ablation), or to this .json",
+        help="also write the report: into this folder as ppl.json (ablation.json with --ablation, ppl_kv_split.json "
+        "with --kv-split), or to this .json",
     )
     p.set_defaults(func=_lazy("ppl", "run_cli"), text=_lazy("ppl", "format_text"))
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..ppl import run_ablation, run_ppl
+from ..ppl import run_ablation, run_kv_split, run_ppl
 from ..precision import parse_precision_list
 
 # the memory and decode-speed rows of the ablation report (issue 17's acceptance)
@@ -34,9 +34,10 @@ def run_cli(args) -> dict:
         options, name = f"--ablation --tokens {args.tokens} --prefix {args.prefix}", "ablation.json"
     else:
         precisions = parse_precision_list(args.precision)
-        out = run_ppl(lm, precisions, args.tokens, args.prefix, on_progress=progress, codebooks=books)
+        run = run_kv_split if args.kv_split else run_ppl
+        out = run(lm, precisions, args.tokens, args.prefix, on_progress=progress, codebooks=books)
         options = f"--precision {args.precision} --tokens {args.tokens} --prefix {args.prefix}"
-        name = "ppl.json"
+        options, name = ("--kv-split " + options, "ppl_kv_split.json") if args.kv_split else (options, "ppl.json")
     if args.codebooks:
         options += f" --codebooks {args.codebooks}"
     out["command"] = f"python -m kvdemo ppl --model {args.model} {options}"
@@ -70,7 +71,56 @@ def format_text(out: dict) -> str:
         checks = [check_line(c) for c in out["checks"]]
         parts = [ablation_markdown(out), *checks, memory_markdown(out), speed_markdown(out)]
         text += "\n\n" + "\n\n".join(parts)
+    if "splits" in out:
+        text += "\n\n" + split_markdown(out) + "\n\n" + "\n".join(split_lines(out))
     return text
+
+
+def split_markdown(out: dict) -> str:
+    """README's table of a `ppl --kv-split` report: each precision's roles (kvdemo.ppl.SPLIT_ROLES) with their
+    bits, delta and logit KL, and each role's KL against the precision as given (95% over resampled text)."""
+    by_name = {r["precision"]: r for r in out["results"]}
+    lines = [
+        "| precision | role | stored as | bits/element | delta vs full | logit KL | KL minus as given, 95% |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for split in out["splits"]:
+        against = {c["role"]: c for c in split["comparisons"]}
+        for role, label in split["roles"].items():
+            r, c = by_name[label], against.get(role)
+            vs = (
+                ""
+                if c is None
+                else f"{c['difference']:+.3g} [{c['difference_ci95'][0]:+.3g}, {c['difference_ci95'][1]:+.3g}]"
+            )
+            lines.append(
+                f"| {split['precision']} | {role} | {label} | {r['bits_per_element']:.2f} | {r['delta_vs_full']:+.3f} | "
+                f"{r['logit_kl']:.2e} | {vs} |"
+            )
+    return "\n".join(lines)
+
+
+def split_lines(out: dict) -> list[str]:
+    """Per precision of a `ppl --kv-split` report: how much of its logit KL its keys alone and its values alone
+    reach, and each moved bit's verdict against it."""
+    lines = []
+    for split in out["splits"]:
+        share = split["kl_share"]
+        if share["keys alone"] is None:
+            continue
+        line = (
+            f"- {split['precision']}: its keys alone reach {share['keys alone']:.0%} of its logit KL, its values "
+            f"alone {share['values alone']:.0%}"
+        )
+        for c in split["comparisons"]:
+            if c["role"].startswith("a bit"):
+                low, high = c["difference_ci95"]
+                line += (
+                    f"; {c['role']} ({c['precision']}): KL {c['difference']:+.3g} (95% {low:+.3g}..{high:+.3g}), "
+                    f"{c['verdict']}"
+                )
+        lines.append(line)
+    return lines
 
 
 def check_line(check: dict) -> str:
