@@ -519,3 +519,54 @@ def split_summary(report: dict, roles: dict[str, str]) -> dict:
         for role in ("keys alone", "values alone")
     }
     return {"precision": given, "roles": roles, "kl_share": share, "comparisons": comparisons}
+
+
+KV_SPLIT_REPORT = ABLATION_REPORT.with_name("ppl_kv_split.json")  # the shipped `ppl --kv-split` run
+
+
+def load_kv_split(path: Path = KV_SPLIT_REPORT) -> dict | None:
+    """The `ppl --kv-split` report at `path` (the shipped one by default), or None when there is none."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def split_rows(report: dict) -> list[dict]:
+    """One row per precision and role of a `ppl --kv-split` report: what it stores, its bits, delta and logit KL,
+    and its KL minus the precision's as given with the 95% interval over resampled text and the verdict."""
+    by_name = {r["precision"]: r for r in report["results"]}
+    rows = []
+    for split in report["splits"]:
+        against = {c["role"]: c for c in split["comparisons"]}
+        for role, label in split["roles"].items():
+            r, c = by_name[label], against.get(role)
+            rows.append(
+                {
+                    "precision": split["precision"],
+                    "role": role,
+                    "stored as": label,
+                    "bits/element": f"{r['bits_per_element']:.2f}",
+                    "delta vs full": f"{r['delta_vs_full']:+.3f}",
+                    "logit KL": f"{r['logit_kl']:.2e}",
+                    "KL minus as given, 95%": ""
+                    if c is None
+                    else f"{c['difference']:+.3g} [{c['difference_ci95'][0]:+.3g}, {c['difference_ci95'][1]:+.3g}]",
+                    "verdict": "" if c is None else c["verdict"],
+                }
+            )
+    return rows
+
+
+def split_sentence(split: dict) -> str:
+    """One precision of a `ppl --kv-split` report in words: how much of its logit KL its keys alone and its
+    values alone reach, and what moving a bit between them does."""
+    share = split["kl_share"]
+    if share["keys alone"] is None:
+        return f"{split['precision']}: no logit KL to split"
+    text = (
+        f"{split['precision']}: its keys alone reach {share['keys alone']:.0%} of its logit KL, its values alone "
+        f"{share['values alone']:.0%}"
+    )
+    for c in split["comparisons"]:
+        if c["role"].startswith("a bit"):
+            low, high = c["difference_ci95"]
+            text += f"; {c['role']} ({c['precision']}): KL {c['difference']:+.3g} (95% {low:+.3g}..{high:+.3g}), {c['verdict']}"
+    return text

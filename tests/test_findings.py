@@ -300,7 +300,9 @@ def test_findings_page_renders_the_shipped_report():
     assert not at.exception, at.exception
     assert "Findings" in at.title[0].value
     headers = [h.value for h in at.header]
-    assert headers == [c["title"] for c in findings.CLAIMS] + ["KVQuant's methods at 4, 3 and 2 bits"]
+    split = ppl.load_kv_split()
+    methods = ["KVQuant's methods at 4, 3 and 2 bits"] + (["Keys or values: where the loss sits"] if split else [])
+    assert headers == [c["title"] for c in findings.CLAIMS] + methods
     table = _verdict_table(at)  # AppTest finds no dataframe by key: by its columns
     assert list(table["verdict"]) == [c["verdict"]["word"] for c in findings.evaluate(findings.load())]
     ablation = ppl.load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
@@ -315,6 +317,12 @@ def test_findings_page_renders_the_shipped_report():
         assert vs == speed[name] if name in speed else pd.isna(vs)
         assert smaller == ratio[name] if name in ratio else pd.isna(smaller)
     assert any(ablation["command"] in c.value for c in at.caption)
+    if split is not None:  # the keys-or-values section: the shipped split's rows and sentences
+        (rows,) = [d.value for d in at.dataframe if "stored as" in d.value.columns]
+        assert rows.to_dict("records") == ppl.split_rows(split)
+        said = [m.value for m in at.markdown]
+        assert all(f"- {ppl.split_sentence(one)}" in said for one in split["splits"])
+        assert any(split["command"] in c.value for c in at.caption)
     at.select_slider(key="findings_context").set_value(131072).run()
     assert not at.exception, at.exception
     assert "131,072" in _verdict_table(at)["numbers"].iloc[0]

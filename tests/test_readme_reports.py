@@ -410,3 +410,43 @@ def test_oracle_codebooks_passkey_table_is_its_report_beside_the_passkey_grid():
     )
     full = {(r["length"], r["depth"]): r["answer"] for r in oracle["rows"] if r["precision"] == "full"}
     assert full == {(r["length"], r["depth"]): r["answer"] for r in shipped["rows"] if r["precision"] == "full"}
+
+
+def test_kv_split_table_and_lines_are_its_report():
+    """The "Keys or values" section: the `ppl --kv-split` report's table and one line per precision, its splits
+    recomputed from its rows and blocks, and the precisions it shares with the ablation scored as the ablation
+    scored them (the same text, protocol and codes)."""
+    from kvdemo.cli.ppl import split_lines, split_markdown
+
+    report, ablation = _report("ppl_kv_split.json"), _report("ablation.json")
+    assert report["command"] in README
+    table = split_markdown(report)
+    assert table in README, "README's keys-or-values table differs from assets/reports/ppl_kv_split.json"
+    _says_date(README.index(table), report["date"])
+    for line in split_lines(report):
+        assert line in README
+    assert report["splits"] == [ppl.split_summary(report, s["roles"]) for s in report["splits"]]
+    theirs = {r["precision"]: r for r in ablation["results"]}
+    shared = [r for r in report["results"] if r["precision"] in theirs]
+    assert len(shared) >= 5  # full, int4, int3, nuq4:o1, nuq3:o1, ...
+    for r in shared:
+        assert (r["ppl"], r["logit_kl"]) == (theirs[r["precision"]]["ppl"], theirs[r["precision"]]["logit_kl"])
+
+
+def test_kv_split_prose_figures_are_its_report():
+    report = _report("ppl_kv_split.json")
+    text = _section("**Keys or values: where the loss sits.**", "Memory: the live cache")
+    text = text.split("On this model the keys carry the loss")[1]
+    keys = [s["kl_share"]["keys alone"] for s in report["splits"]]
+    values = [s["kl_share"]["values alone"] for s in report["splits"]]
+    both = [k + v for k, v in zip(keys, values, strict=True)]
+    for shares in (keys, values, both):  # "keys alone reach 76% to 88% ..."
+        assert f"{min(shares):.0%} to {max(shares):.0%}" in text
+    kl = {r["precision"]: r["logit_kl"] for r in report["results"]}
+    delta = {r["precision"]: r["delta_vs_full"] for r in report["results"]}
+    for name in ("knuq3v8:o1", "k4v8", "k8vnuq3:o1", "k8v4"):
+        assert f"{kl[name]:.2e}" in text, name
+    for name in ("k2v4", "knuq2vnuq4:o1"):
+        assert f"{name} {delta[name]:+.3f}" in text
+    verdicts = {c["precision"]: c["verdict"] for s in report["splits"] for c in s["comparisons"]}
+    assert verdicts["knuq4vnuq2:o1"] == verdicts["k4v2"] == "higher"  # "both settle worse"

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..ppl import run_ablation, run_kv_split, run_ppl
+from ..ppl import run_ablation, run_kv_split, run_ppl, split_rows, split_sentence
 from ..precision import parse_precision_list
 
 # the memory and decode-speed rows of the ablation report (issue 17's acceptance)
@@ -77,50 +77,17 @@ def format_text(out: dict) -> str:
 
 
 def split_markdown(out: dict) -> str:
-    """README's table of a `ppl --kv-split` report: each precision's roles (kvdemo.ppl.SPLIT_ROLES) with their
-    bits, delta and logit KL, and each role's KL against the precision as given (95% over resampled text)."""
-    by_name = {r["precision"]: r for r in out["results"]}
-    lines = [
-        "| precision | role | stored as | bits/element | delta vs full | logit KL | KL minus as given, 95% |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for split in out["splits"]:
-        against = {c["role"]: c for c in split["comparisons"]}
-        for role, label in split["roles"].items():
-            r, c = by_name[label], against.get(role)
-            vs = (
-                ""
-                if c is None
-                else f"{c['difference']:+.3g} [{c['difference_ci95'][0]:+.3g}, {c['difference_ci95'][1]:+.3g}]"
-            )
-            lines.append(
-                f"| {split['precision']} | {role} | {label} | {r['bits_per_element']:.2f} | {r['delta_vs_full']:+.3f} | "
-                f"{r['logit_kl']:.2e} | {vs} |"
-            )
+    """README's table of a `ppl --kv-split` report (kvdemo.ppl.split_rows), verdicts left to the lines under it."""
+    rows = split_rows(out)
+    heads = [h for h in rows[0] if h != "verdict"]
+    lines = ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
+    lines += ["| " + " | ".join(row[h] for h in heads) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def split_lines(out: dict) -> list[str]:
-    """Per precision of a `ppl --kv-split` report: how much of its logit KL its keys alone and its values alone
-    reach, and each moved bit's verdict against it."""
-    lines = []
-    for split in out["splits"]:
-        share = split["kl_share"]
-        if share["keys alone"] is None:
-            continue
-        line = (
-            f"- {split['precision']}: its keys alone reach {share['keys alone']:.0%} of its logit KL, its values "
-            f"alone {share['values alone']:.0%}"
-        )
-        for c in split["comparisons"]:
-            if c["role"].startswith("a bit"):
-                low, high = c["difference_ci95"]
-                line += (
-                    f"; {c['role']} ({c['precision']}): KL {c['difference']:+.3g} (95% {low:+.3g}..{high:+.3g}), "
-                    f"{c['verdict']}"
-                )
-        lines.append(line)
-    return lines
+    """README's lines under the table: each precision's `split_sentence`."""
+    return [f"- {split_sentence(split)}" for split in out["splits"]]
 
 
 def check_line(check: dict) -> str:
