@@ -30,6 +30,7 @@ from kvdemo.precision import (
     KEY_AXES,
     PRESETS,
     PrecisionSpec,
+    parse_precision,
     spec_from_options,
 )
 
@@ -476,6 +477,27 @@ def run_exclusive(lm: LoadedModel, work: Callable[[], T], status=None) -> T | No
     except ValueError as err:  # ModelLoadError, DocumentError, HeadroomError, bad precision strings
         status.error(str(err))
     return None
+
+
+def precision_picker(label: str, key: str, default: list[str], where=st, leave_out: tuple[str, ...] = ()) -> list[str]:
+    """A multiselect of KV precisions that keeps its picks across pages (`persist`): the presets, the sidebar's
+    precision, and any precision string typed into it (`knuq4vnuq2:o1`, `int4:g64:s4`), the CLI's grammar.
+    Returns the picks' labels; a string that does not parse shows its reason and is left out (it stays in the
+    box until removed, so the user sees what to fix)."""
+    wanted = persist(key, default)
+    choices = [c for c in precision_choices(wanted) if c not in leave_out]
+    st.session_state[key] = [p for p in wanted if p in choices]
+    picked = where.multiselect(
+        label, choices, key=key, accept_new_options=True,
+        help="pick presets or type any precision string, e.g. knuq4vnuq2:o1 or int4:g64:s4 (README: Precision strings)",
+    )  # fmt: skip
+    labels = []
+    for text in picked:
+        try:
+            labels.append(parse_precision(text).label)
+        except ValueError as err:
+            where.error(f"{text!r} left out: {err}")
+    return list(dict.fromkeys(labels))
 
 
 def precision_choices(extra: list[str] | None = None) -> list[str]:

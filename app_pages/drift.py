@@ -44,15 +44,14 @@ source = st.radio(
 if not doc:
     st.caption("Choose or upload a document on the Chat page to run on it.")
 budget = max(lm.max_context - 64, 64)
-choices = [c for c in common.precision_choices(["int8", "int2"]) if c != "full"]
 common.persist("drift_tokens", min(1024, budget))
 common.persist("drift_new_tokens", 16)
 common.persist("drift_prefill_mode", "chunked")
-picked_before = common.persist("drift_precisions", list(dict.fromkeys([common.spec().label, "int8", "int2"])))
-st.session_state["drift_precisions"] = [p for p in picked_before if p in choices]
 c1, c2, c3 = st.columns([1, 3, 1])
 tokens = int(c1.number_input("Document tokens", 32, budget, step=64, key="drift_tokens"))
-picked = c2.multiselect("Quantized precisions", choices, key="drift_precisions")
+picked = common.precision_picker(
+    "Quantized precisions", "drift_precisions", [common.spec().label, "int8", "int2"], c2, leave_out=("full",)
+)
 new_tokens = int(c3.number_input("Generated tokens", 1, 256, key="drift_new_tokens"))
 prefill_mode = st.radio(
     "Prefill: how each quantized cache stores the document",

@@ -59,9 +59,6 @@ defaults = {
 }
 for key, value in defaults.items():
     common.persist(key, value)
-choices = common.precision_choices()
-wanted = common.persist("hr_precisions", list(dict.fromkeys([*DEFAULT_PRECISIONS, spec.label])))
-st.session_state["hr_precisions"] = [p for p in wanted if p in choices]
 c1, c2, c3, c4 = st.columns(4)
 cfg_name = c1.selectbox(
     "Model config",
@@ -81,7 +78,9 @@ reserve = c3.number_input(
 )  # fmt: skip
 custom = c4.checkbox("Custom GPU size", key="hr_custom")
 custom_gb = c4.number_input("GB per GPU", 1.0, 10_000.0, key="hr_custom_gb", disabled=not custom)
-specs_picked = st.multiselect("KV precisions", choices, key="hr_precisions")
+specs_picked = common.precision_picker(
+    "KV precisions", "hr_precisions", list(dict.fromkeys([*DEFAULT_PRECISIONS, spec.label]))
+)
 
 out = None
 try:
@@ -152,11 +151,11 @@ if out is not None:
 # --- measured on the loaded model -----------------------------------------------------------------
 st.subheader(f"Measured: the live cache of {lm.name}")
 common.persist("mem_tokens", min(1024, lm.max_context))
-wanted = common.persist("mem_precisions", list(dict.fromkeys(["full", "int8", spec.label])))
-st.session_state["mem_precisions"] = [p for p in wanted if p in choices]
 c1, c2 = st.columns([1, 3])
 tokens = int(c1.number_input("Tokens of prose", 16, lm.max_context, step=64, key="mem_tokens"))
-measure_specs = c2.multiselect("Precisions to measure", choices, key="mem_precisions")
+measure_specs = common.precision_picker(
+    "Precisions to measure", "mem_precisions", list(dict.fromkeys(["full", "int8", spec.label])), c2
+)
 if st.button("Measure", key="mem_run", type="primary"):
     if not measure_specs:
         st.error("pick at least one precision")
@@ -211,13 +210,11 @@ st.caption(
 SCALE_MODELS = {"random": "Small random Llama-style model (2 layers)", "loaded": f"Loaded model ({lm.name})"}
 for key, value in {"hm_model": "random", "hm_budget_gb": 0.25, "hm_context": 4096}.items():
     common.persist(key, value)
-wanted = common.persist("hm_precisions", ["full", "int8", "int4"])
-st.session_state["hm_precisions"] = [p for p in wanted if p in choices]
 c1, c2, c3, c4 = st.columns([2, 1, 1, 3])
 hm_model = c1.radio("Model", list(SCALE_MODELS), key="hm_model", format_func=SCALE_MODELS.get)
 hm_budget = c2.number_input("Budget (GB)", 0.001, 1000.0, step=0.05, format="%.3f", key="hm_budget_gb")
 hm_context = int(c3.number_input("Context (tokens)", 16, 1 << 20, step=1024, key="hm_context"))
-hm_specs = c4.multiselect("KV precisions", choices, key="hm_precisions")
+hm_specs = common.precision_picker("KV precisions", "hm_precisions", ["full", "int8", "int4"], c4)
 
 
 @st.cache_resource(show_spinner=False)

@@ -58,9 +58,6 @@ for key, value in defaults.items():
     common.persist(key, value)
 if st.session_state["needle_haystack"] not in haystacks:
     st.session_state["needle_haystack"] = "default"
-choices = common.precision_choices(["int8", "int2"])
-wanted = common.persist("needle_precisions", list(dict.fromkeys(["full", "int8", common.spec().label, "int2"])))
-st.session_state["needle_precisions"] = [p for p in wanted if p in choices]
 
 c1, c2 = st.columns(2)
 kind = c1.radio("Needle", KINDS, key="needle_kind", horizontal=True)
@@ -90,7 +87,11 @@ c4.number_input(
     help="Runs per cell, each with a new needle (seeds seed, seed + 1, ...): one cell is one draw, so found "
     "counts of a small grid move by cells between runs; the summary gives each found rate a 95% interval",
 )
-picked = st.multiselect("Precisions (full precision is always included)", choices, key="needle_precisions")
+picked = common.precision_picker(
+    "Precisions (full precision is always included)",
+    "needle_precisions",
+    list(dict.fromkeys(["full", "int8", common.spec().label, "int2"])),
+)
 prefill_mode = st.radio(
     "Prefill: how each quantized cache stores the haystack",
     PREFILL_MODES,

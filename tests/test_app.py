@@ -346,6 +346,22 @@ def test_memory_page_headroom_and_measured_cache():
     assert [r["precision"] for r in rows] == ["full", "int4"] and rows[1]["bytes"] < rows[0]["bytes"]
 
 
+def test_precision_boxes_take_typed_strings_and_say_why_one_is_left_out():
+    at = start("app_pages/memory.py")
+    at.multiselect(key="mem_precisions").set_value(["full", "knuq4vnuq2:o1", "INT5:g16"])
+    at.number_input(key="mem_tokens").set_value(300).run()
+    assert not at.exception
+    (err,) = [e.value for e in at.error]
+    assert err.startswith("'INT5:g16' left out: unknown precision") and "k<key>v<value>" in err
+    at.button(key="mem_run").click().run()
+    rows = at.session_state["mem_result"]["results"]
+    assert [r["precision"] for r in rows] == ["full", "knuq4vnuq2:o1"]  # the typed string measured, the bad one not
+    assert rows[1]["bytes"] == rows[1]["formula_bytes"]
+    at.switch_page("app_pages/needle.py").run()
+    at.switch_page("app_pages/memory.py").run()  # the picks, typed ones too, survive another page
+    assert at.multiselect(key="mem_precisions").value == ["full", "knuq4vnuq2:o1", "INT5:g16"]
+
+
 # --- concurrency ---------------------------------------------------------------------------------
 def test_four_sessions_at_once_queue_and_never_see_each_other():
     """Four AppTest sessions on one shared model, each with its own document, asking at the same time."""
