@@ -17,6 +17,7 @@ turns an argument equal to 1 into a constant), lengths unspecialized.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -449,8 +450,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"spill stores {row['spill_stores']:>3}  {row['issue_per_token']:5.1f} warp instructions per token"
             )
     if args.json:
+        provenance = {
+            "command": "python bench/compile_sm90.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": datetime.date.today().isoformat(),
+            "machine": f"a {os.cpu_count()}-core CPU machine (no GPU: ptxas compiles for sm_{args.arch})",
+        }
         Path(args.json).write_text(
-            json.dumps({"triton": triton.__version__, "arch": args.arch, "rows": rows}, indent=2)
+            json.dumps({"triton": triton.__version__, "arch": args.arch, **provenance, "rows": rows}, indent=2)
         )
     print(f"{len(rows)} variants: {failed} failed to compile, {len(spilled)} spill registers")
     return 1 if failed or (args.strict and spilled) else 0

@@ -391,3 +391,27 @@ def test_cache_append_on_the_triton_backend_stores_the_torch_bytes(tk, monkeypat
         want, got = getattr(stored["torch"], part), getattr(stored["triton"], part)
         _assert_same_bytes(want.quantized, got.quantized)
         assert torch.equal(want.sinks, got.sinks) and torch.equal(want.residual, got.residual)
+
+
+def test_codebook_words_hold_the_levels_bytes_for_the_compiled_lookup(tk):
+    """On NVIDIA the decode kernel looks nuq4 codes up with byte permutes (`_PTX_NUQ4`, run on every byte by
+    tests/test_triton_ptx.py) in 8 words built from the codebook by `_codebook_word`: word w < 4 holds the low
+    bytes of levels 4w..4w+3, word w >= 4 their high bytes. This runs that builder and checks its bytes."""
+    import triton
+    import triton.language as tl
+
+    global _codebook_word  # a jit function reaches others through its module's globals
+    _codebook_word = getattr(tk, "_module", tk)._codebook_word
+
+    @triton.jit
+    def words(levels_ptr, out_ptr):
+        for w in tl.static_range(8):
+            tl.store(out_ptr + w, _codebook_word(levels_ptr, 4 * (w % 4), w // 4))
+
+    levels = torch.linspace(-1, 1, 16).half()
+    levels[5], levels[9] = -65504.0, -0.0  # bytes with their top bits set, and a signed zero
+    got = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    words[(1,)](levels.to(DEVICE), got)
+    bits = levels.view(torch.int16).int() & 0xFFFF
+    want = [sum(((int(bits[4 * (w % 4) + k]) >> (8 * (w // 4))) & 0xFF) << (8 * k) for k in range(4)) for w in range(8)]
+    assert [int(x) & 0xFFFFFFFF for x in got.cpu()] == want

@@ -22,16 +22,17 @@ pytestmark = pytest.mark.triton
 BYTES = np.arange(256, dtype=np.uint32)
 
 
-def _prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+def _prmt(a: np.ndarray, b: np.ndarray, selector) -> np.ndarray:
     """prmt.b32 (default mode): byte i of the result is byte selector[4i:4i+4] of {b, a} (0-3: a, 4-7: b);
-    a set top bit of the selector nibble replicates that byte's sign bit instead."""
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    a set top bit of the selector nibble replicates that byte's sign bit instead. `selector`: an immediate, or a
+    register (an array, one selector per element; only its low 16 bits count)."""
+    pool = np.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+    selector = np.broadcast_to(np.asarray(selector, dtype=np.uint32), a.shape)
     out = np.zeros_like(a)
     for i in range(4):
         nib = (selector >> (4 * i)) & 0xF
-        byte = pool[nib & 7]
-        if nib & 8:
-            byte = np.where(byte & 0x80, 0xFF, 0).astype(np.uint32)
+        byte = np.take_along_axis(pool, (nib & 7)[None].astype(np.intp), 0)[0]
+        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(np.uint32)
         out |= byte << (8 * i)
     return out
 
@@ -74,7 +75,7 @@ def run_ptx(asm: str, inputs: list[np.ndarray], n_outputs: int) -> list[np.ndarr
         elif op == "shr.b32":
             res = src[0] >> src[1]
         elif op == "prmt.b32":
-            res = _prmt(src[0], src[1], int(args[3], 0))
+            res = _prmt(src[0], src[1], src[2])
         elif op in ("sub.f16x2", "sub.rn.f16x2"):
             res = _pack(_halves(src[0]) - _halves(src[1]))
         elif op in ("mul.f16x2", "mul.rn.f16x2"):
@@ -122,6 +123,28 @@ def test_fp8_blocks_give_the_value_over_256(fmt):
     assert np.all(np.signbit(got[finite]) == np.signbit(values[finite]))  # -0.0 stays -0.0
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nuq4_block_looks_up_every_code_in_the_codebook(seed):
+    """_PTX_NUQ4 on every byte at every position, with codebooks of 16 fp16 levels (random, both signs, fp16
+    extremes and -0.0): each nibble's level exactly, in _PTX_INT4's layout (plane 0 = low nibbles)."""
+    rng = np.random.default_rng(seed)
+    levels = np.sort(rng.uniform(-1, 1, 16)).astype(np.float16)
+    levels[0], levels[-1] = (-1.0, 1.0) if seed == 0 else (-65504.0, 65504.0)
+    levels[7] = -0.0 if seed == 2 else levels[7]
+    bits = levels.view(np.uint16).astype(np.uint32)
+    words = [
+        sum(((bits[4 * w + k] >> (8 * high)) & 0xFF) << (8 * k) for k in range(4)) for high in (0, 1) for w in range(4)
+    ]
+    elems = (BYTES[:, None] + np.arange(4, dtype=np.uint32)[None, :]) % 256  # [256 words, 4 positions]
+    packed = elems[:, 0] | (elems[:, 1] << 8) | (elems[:, 2] << 16) | (elems[:, 3] << 24)
+    regs = run_ptx(tk._PTX_NUQ4.value, [packed] + [np.full_like(packed, w) for w in words for _ in range(4)], 4)
+    for plane, (first, second) in enumerate(((0, 1), (2, 3))):
+        got = np.concatenate([_halves(regs[first]), _halves(regs[second])], axis=-1)  # [256, 4]
+        want = levels[(elems >> (4 * plane)) & 15].astype(np.float64)
+        np.testing.assert_array_equal(got, want)
+        assert np.all(np.signbit(got) == np.signbit(want))
+
+
 def test_evaluator_follows_the_isa_examples():
     """prmt and the fp16x2 ops as the PTX ISA defines them, on hand-checked values: the evaluator is
     the only thing between the blocks and the bytes, so it is tested on its own too."""
@@ -130,6 +153,8 @@ def test_evaluator_follows_the_isa_examples():
     assert _prmt(a, b, 0x7654)[0] == 0x77665544  # all from b
     assert _prmt(a, b, 0x5140)[0] == 0x55114400  # interleave
     assert _prmt(np.array([0x80], dtype=np.uint32), b, 0x8888)[0] == 0xFFFFFFFF  # sign replication
+    per_element = _prmt(np.repeat(a, 2), np.repeat(b, 2), np.array([0x3210, 0xFFFF7654], dtype=np.uint32))
+    assert list(per_element) == [0x33221100, 0x77665544]  # a register selector: its low 16 bits, per element
     one_two = np.array([0x40003C00], dtype=np.uint32)  # fp16x2 (1.0, 2.0)
     (out,) = run_ptx("fma.rn.f16x2 $0, $1, $1, $1;", [one_two], 1)
     np.testing.assert_array_equal(_halves(out), [[2.0, 6.0]])

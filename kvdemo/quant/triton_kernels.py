@@ -40,8 +40,8 @@ Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its
   FlashAttention (2^-11 relative each).
   The methods beyond uniform codes (reference docstring) are read from their packed storage too, each
   behind a constexpr flag of the kernel (off: the plain variants compile to the code they had before):
-  nuq codebooks (fp16 levels picked in registers by a select tree over the code's bits; the key fold
-  above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes),
+  nuq codebooks (fp16 levels picked in registers by a select tree over the code's bits, or for nuq4 compiled
+  for NVIDIA by byte permutes, `_PTX_NUQ4`, 4 codes per 12 instructions; the key fold above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes),
   nvfp4 (E2M1 codes, E4M3 scales times the block's fp32 tensor scale, keys per token), sparse outliers
   (a row's corrections expanded into a dense fp16 tile: one more dot for keys, added to the values),
   a Hadamard rotation (on the query side: the codes see q @ R, the quantized splits' partial outputs
@@ -146,6 +146,30 @@ and.b32 m, m, 0x3F803F80;
 and.b32 b, b, 0x80008000;
 or.b32 $1, b, m;
 }""")  # sign to bit 15, exponent and mantissa one bit down: fp16 bits of value / 256 (as _fp8_decode)
+
+
+def _nuq4_lookup_ptx() -> str:
+    """The PTX block for nuq4 codes: 4 packed bytes ($4; a byte's low nibble is plane 0, its high nibble plane 1)
+    -> their 8 codebook levels as fp16, planes as `_PTX_INT4` lays them out (plane 0 in $0, $1; plane 1 in
+    $2, $3). The 16 fp16 levels come as 8 words (`_codebook_words`, each in the first of its pack of 4
+    registers: $5, $9, ..., $33): words 0-3 hold the levels' low bytes (levels 4w..4w+3), words 4-7 their high
+    bytes. A prmt with the codes as its selector looks up 4 codes at once: the selector's nibble i picks byte
+    i of the result from 8 bytes (two words), which is one bank of 8 levels; bit 3 of each code, moved to bit
+    2 of a second selector, picks the bank per byte; two more prmt pair low and high bytes into fp16x2.
+    12 instructions per 4 codes where a select tree takes about 15 selects per code."""
+    w = [f"${5 + 4 * i}" for i in range(8)]
+    lines = ["{", ".reg .b32 c, s, t, a, b, pl, ph;"]
+    for half, (out_lo, out_hi) in enumerate((("$0", "$2"), ("$1", "$3"))):  # bytes 0-1, then bytes 2-3
+        lines.append("mov.b32 c, $4;" if half == 0 else "shr.b32 c, $4, 16;")
+        lines += ["and.b32 s, c, 0x7777;", "shr.b32 t, c, 1;", "and.b32 t, t, 0x4444;", "or.b32 t, t, 0x3210;"]
+        for dst, bank in (("pl", w[:4]), ("ph", w[4:])):
+            lines += [f"prmt.b32 a, {bank[0]}, {bank[1]}, s;", f"prmt.b32 b, {bank[2]}, {bank[3]}, s;"]
+            lines.append(f"prmt.b32 {dst}, a, b, t;")
+        lines += [f"prmt.b32 {out_lo}, pl, ph, 0x6240;", f"prmt.b32 {out_hi}, pl, ph, 0x7351;"]
+    return "\n".join(lines + ["}"])
+
+
+_PTX_NUQ4 = tl.constexpr(_nuq4_lookup_ptx())
 
 
 def _bits(fmt: str) -> int:
@@ -343,8 +367,44 @@ def _code_value(c, CODE: tl.constexpr, BITS: tl.constexpr, levels_ptr):
 
 
 @triton.jit
+def _codebook_word(levels_ptr, FIRST: tl.constexpr, HIGH: tl.constexpr):
+    """One int32 word of `_PTX_NUQ4`'s codebook: byte k holds the low (HIGH 0) or high (HIGH 1) byte of the fp16
+    level FIRST + k (k = 0..3)."""
+    word = 0
+    for k in tl.static_range(4):
+        level = tl.load(levels_ptr + FIRST + k).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        word |= ((level >> (8 * HIGH)) & 0xFF) << (8 * k)
+    return word
+
+
+@triton.jit
+def _ptx_nuq4(byte, levels_ptr):
+    """uint8 bytes of nuq4 codes -> (plane 0, plane 1) fp16 levels, by `_PTX_NUQ4` (words 0-3: the 16 levels'
+    low bytes, words 4-7: their high bytes)."""
+    lo0, lo1 = _codebook_word(levels_ptr, 0, 0), _codebook_word(levels_ptr, 4, 0)
+    lo2, lo3 = _codebook_word(levels_ptr, 8, 0), _codebook_word(levels_ptr, 12, 0)
+    hi0, hi1 = _codebook_word(levels_ptr, 0, 1), _codebook_word(levels_ptr, 4, 1)
+    hi2, hi3 = _codebook_word(levels_ptr, 8, 1), _codebook_word(levels_ptr, 12, 1)
+    return tl.inline_asm_elementwise(
+        _PTX_NUQ4,
+        "=r,=r,=r,=r,r" + ",r" * 32,
+        [byte, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3],
+        dtype=(tl.float16, tl.float16),
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _unpack_values(
-    row_ptrs, valid, BITS: tl.constexpr, CODE: tl.constexpr, levels_ptr, BLOCK_N: tl.constexpr, D: tl.constexpr
+    row_ptrs,
+    valid,
+    BITS: tl.constexpr,
+    CODE: tl.constexpr,
+    levels_ptr,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """Packed rows of 2-, 3- or 4-bit codes (row_ptrs [BN, 1]: each row's first byte; invalid rows read as
     code 0) -> code values [BN, D] (`_code_value`): codebook levels (the codebook's dtype), E2M1 values or
@@ -372,8 +432,13 @@ def _unpack_values(
         codes = tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (BLOCK_N, D))
     else:
         DP: tl.constexpr = D * BITS // 8
-        b = tl.load(row_ptrs + tl.arange(0, DP)[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        if BITS == 4:
+        byte = tl.load(row_ptrs + tl.arange(0, DP)[None, :], mask=valid[:, None], other=0)
+        b = byte.to(tl.int32)
+        if BITS == 4 and CODE == 1 and PTX:  # nuq4 compiled for NVIDIA: byte-permute lookups (_PTX_NUQ4)
+            lo, hi = _ptx_nuq4(byte, levels_ptr)
+            planes = tl.join(lo, hi)
+            codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))
+        elif BITS == 4:
             planes = tl.join(_code_value(b & 15, CODE, BITS, levels_ptr), _code_value(b >> 4, CODE, BITS, levels_ptr))
             codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))  # [BN, DP, 2 (p)] -> channel p * DP + j
         else:
@@ -1322,7 +1387,7 @@ def _decode_split_kernel(
                 )
                 kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D, PTX)  # [BN, D] fp16
             else:
-                kcode = _unpack_values(kc_base + pos[:, None] * skc_t, valid, K_BITS, K_CODE, klv_ptr, BLOCK_N, D)
+                kcode = _unpack_values(kc_base + pos[:, None] * skc_t, valid, K_BITS, K_CODE, klv_ptr, BLOCK_N, D, PTX)
             if K_CHANNEL and K_ROPE == 0:
                 if (not FOLD_ONCE) or (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block
                     blk = start // K_GROUP
@@ -1406,7 +1471,7 @@ def _decode_split_kernel(
             if V_PACKED:
                 vcode = _unpack(vbyte, V_BITS, V_FP8, BLOCK_N, D, PTX)
             else:  # looked-up values: scaled in fp32, rounded to fp16 once
-                vcode = _unpack_values(vc_base + pos[:, None] * svc_t, valid, V_BITS, V_CODE, vlv_ptr, BLOCK_N, D)
+                vcode = _unpack_values(vc_base + pos[:, None] * svc_t, valid, V_BITS, V_CODE, vlv_ptr, BLOCK_N, D, PTX)
                 vs = vs.to(tl.float32)
             v = _dequantize_rows(vcode, vs, vz, V_GROUP, V_ZERO, BLOCK_N, D).to(tl.float16)
             if V_OUTLIERS > 0:  # + p_t delta_tj at channel idx_tj: the deltas join the fp16 values
