@@ -74,6 +74,8 @@ def run_ptx(asm: str, inputs: list[np.ndarray], n_outputs: int) -> list[np.ndarr
             res = src[0] | src[1]
         elif op == "shr.b32":
             res = src[0] >> src[1]
+        elif op == "mad.lo.u32":
+            res = (src[0].astype(np.uint64) * src[1] + src[2]) & 0xFFFFFFFF  # the low 32 bits
         elif op == "prmt.b32":
             res = _prmt(src[0], src[1], src[2])
         elif op in ("sub.f16x2", "sub.rn.f16x2"):
@@ -141,6 +143,22 @@ def test_nuq4_block_looks_up_every_code_in_the_codebook(seed):
     for plane, (first, second) in enumerate(((0, 1), (2, 3))):
         got = np.concatenate([_halves(regs[first]), _halves(regs[second])], axis=-1)  # [256, 4]
         want = levels[(elems >> (4 * plane)) & 15].astype(np.float64)
+        np.testing.assert_array_equal(got, want)
+        assert np.all(np.signbit(got) == np.signbit(want))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nuq2_block_looks_up_every_code_in_the_codebook(seed):
+    """_PTX_NUQ2 on every byte at every position: each 2-bit field's level exactly, in _PTX_INT2's layout."""
+    levels = np.array([-1.0, -0.3, 0.2, 1.0] if seed == 0 else [-65504.0, -0.0, 0.0078125, 3.5], dtype=np.float16)
+    bits = levels.view(np.uint16).astype(np.uint32)
+    words = [sum(((bits[k] >> (8 * high)) & 0xFF) << (8 * k) for k in range(4)) for high in (0, 1)]
+    elems = (BYTES[:, None] + np.arange(4, dtype=np.uint32)[None, :]) % 256  # [256 words, 4 positions]
+    packed = elems[:, 0] | (elems[:, 1] << 8) | (elems[:, 2] << 16) | (elems[:, 3] << 24)
+    regs = run_ptx(tk._PTX_NUQ2.value, [packed] + [np.full_like(packed, w) for w in words for _ in range(4)], 8)
+    for plane in range(4):
+        got = np.concatenate([_halves(regs[2 * plane]), _halves(regs[2 * plane + 1])], axis=-1)  # [256, 4]
+        want = levels[(elems >> (2 * plane)) & 3].astype(np.float64)
         np.testing.assert_array_equal(got, want)
         assert np.all(np.signbit(got) == np.signbit(want))
 

@@ -40,8 +40,8 @@ Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its
   FlashAttention (2^-11 relative each).
   The methods beyond uniform codes (reference docstring) are read from their packed storage too, each
   behind a constexpr flag of the kernel (off: the plain variants compile to the code they had before):
-  nuq codebooks (fp16 levels picked in registers by a select tree over the code's bits, or for nuq4 compiled
-  for NVIDIA by byte permutes, `_PTX_NUQ4`, 4 codes per 12 instructions; the key fold above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes),
+  nuq codebooks (fp16 levels picked in registers by a select tree over the code's bits, or for nuq4 and nuq2
+  compiled for NVIDIA by byte permutes, `_PTX_NUQ4` and `_PTX_NUQ2`; the key fold above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes),
   nvfp4 (E2M1 codes, E4M3 scales times the block's fp32 tensor scale, keys per token), sparse outliers
   (a row's corrections expanded into a dense fp16 tile: one more dot for keys, added to the values),
   a Hadamard rotation (on the query side: the codes see q @ R, the quantized splits' partial outputs
@@ -170,6 +170,24 @@ def _nuq4_lookup_ptx() -> str:
 
 
 _PTX_NUQ4 = tl.constexpr(_nuq4_lookup_ptx())
+
+
+def _nuq2_lookup_ptx() -> str:
+    """The PTX block for nuq2 codes: 4 packed bytes ($8; bits 2p, 2p + 1 of a byte are plane p) -> their 16
+    codebook levels as fp16, planes as `_PTX_INT2` lays them out (plane p in $2p, $2p + 1). The 4 fp16 levels
+    come as 2 words (`_codebook_word`, each in the first of its pack of 4 registers: $9, $13): the levels' low
+    bytes, then their high bytes. For a pair of codes x (byte 0 or 2) and y (byte 1 or 3) of one plane, the
+    prmt selector with nibbles x, x + 4, y, y + 4 takes both bytes of both levels at once; it is the pair's
+    bit fields t = x + 256 y times 17, plus 0x4040. 4 instructions per 2 codes."""
+    lines = ["{", ".reg .b32 t, s;"]
+    for p in range(4):
+        for half, out in enumerate((f"${2 * p}", f"${2 * p + 1}")):  # bytes 0-1, then bytes 2-3
+            lines += [f"shr.b32 t, $8, {16 * half + 2 * p};", "and.b32 t, t, 0x0303;"]
+            lines += ["mad.lo.u32 s, t, 17, 0x4040;", f"prmt.b32 {out}, $9, $13, s;"]
+    return "\n".join(lines + ["}"])
+
+
+_PTX_NUQ2 = tl.constexpr(_nuq2_lookup_ptx())
 
 
 def _bits(fmt: str) -> int:
@@ -396,6 +414,20 @@ def _ptx_nuq4(byte, levels_ptr):
 
 
 @triton.jit
+def _ptx_nuq2(byte, levels_ptr):
+    """uint8 bytes of nuq2 codes -> planes 0-3 as fp16 levels, by `_PTX_NUQ2` (word 0: the 4 levels' low bytes,
+    word 1: their high bytes)."""
+    return tl.inline_asm_elementwise(
+        _PTX_NUQ2,
+        "=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 8,
+        [byte, _codebook_word(levels_ptr, 0, 0), _codebook_word(levels_ptr, 0, 1)],
+        dtype=(tl.float16,) * 4,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _unpack_values(
     row_ptrs,
     valid,
@@ -442,10 +474,13 @@ def _unpack_values(
             planes = tl.join(_code_value(b & 15, CODE, BITS, levels_ptr), _code_value(b >> 4, CODE, BITS, levels_ptr))
             codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))  # [BN, DP, 2 (p)] -> channel p * DP + j
         else:
-            c0 = _code_value(b & 3, CODE, BITS, levels_ptr)
-            c1 = _code_value((b >> 2) & 3, CODE, BITS, levels_ptr)
-            c2 = _code_value((b >> 4) & 3, CODE, BITS, levels_ptr)
-            c3 = _code_value(b >> 6, CODE, BITS, levels_ptr)
+            if CODE == 1 and PTX:  # nuq2 compiled for NVIDIA: one byte permute per 2 codes (_PTX_NUQ2)
+                c0, c1, c2, c3 = _ptx_nuq2(byte, levels_ptr)
+            else:
+                c0 = _code_value(b & 3, CODE, BITS, levels_ptr)
+                c1 = _code_value((b >> 2) & 3, CODE, BITS, levels_ptr)
+                c2 = _code_value((b >> 4) & 3, CODE, BITS, levels_ptr)
+                c3 = _code_value(b >> 6, CODE, BITS, levels_ptr)
             planes = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [BN, DP, 2 (p % 2), 2 (p // 2)]
             codes = tl.reshape(tl.permute(planes, (0, 3, 2, 1)), (BLOCK_N, D))
     return codes
