@@ -439,20 +439,14 @@ def interval95(draws: torch.Tensor) -> list[float]:
 # --- keys or values: where a precision's loss sits ---------------------------------------------------
 
 WIDTHS = {"int": (2, 3, 4, 8), "nuq": (2, 3, 4)}  # code widths of each family, for a bit moved between K and V
-SPLIT_ROLES = {  # role -> what it stores
-    "as given": "keys and values as the precision says",
-    "keys alone": "its keys, values at int8",
-    "values alone": "its values, keys at int8",
-    "both at int8": "keys and values at int8 (the floor the two rows above stand on)",
-    "a bit to the keys": "the same mean bits: keys one width wider, values one narrower",
-    "a bit to the values": "the same mean bits: values one width wider, keys one narrower",
-}
 
 
 def kv_split_precisions(spec: PrecisionSpec | str) -> dict[str, str]:
-    """role (SPLIT_ROLES) -> precision label: `spec` itself, its keys alone and its values alone (the other part
-    at int8, near exact), both at int8, and, where the format's family has the widths, the same mean bits with a
-    bit moved between keys and values (nuq3 -> knuq4vnuq2 and knuq2vnuq4). Options (outliers, sinks, ...) stay."""
+    """role -> precision label: "as given" (`spec` itself), "keys alone" and "values alone" (that part as `spec`
+    stores it, the other at int8, near exact), "both at int8" (the floor those two stand on), and, where the
+    format's family has the widths, "a bit to the keys" / "a bit to the values": the same mean bits with keys one
+    width wider and values one narrower, or the reverse (nuq3 -> knuq4vnuq2 and knuq2vnuq4). Options (outliers,
+    sinks, ...) stay. A role that is `spec` itself is left out (k8v4's values alone)."""
     from .precision import CODE_BITS, with_formats
 
     s = parse_precision(spec)
@@ -472,7 +466,7 @@ def kv_split_precisions(spec: PrecisionSpec | str) -> dict[str, str]:
             kb, vb = CODE_BITS[k] + dk, CODE_BITS[v] - dk
             if kb in widths and vb in widths:
                 roles[role] = with_formats(s, f"{family}{kb}", f"{family}{vb}")
-    return {role: r.label for role, r in roles.items() if role == "as given" or r != s}  # k8v4's values: itself
+    return {role: r.label for role, r in roles.items() if role == "as given" or r != s}
 
 
 def run_kv_split(
@@ -483,10 +477,11 @@ def run_kv_split(
     on_progress: Callable[[str], None] | None = None,
     codebooks=None,
 ) -> dict:
-    """`run_ppl` over each precision's `kv_split_precisions` in one run, and per precision ("splits") the roles,
-    the share of its logit KL its keys alone and its values alone reach, and each other role's KL difference
-    from it over resampled text (`split_comparisons`)."""
-    splits = [kv_split_precisions(p) for p in precisions]
+    """`run_ppl` over each quantized precision's `kv_split_precisions` in one run (full precision runs first as
+    always), and per precision a `split_summary` ("splits")."""
+    splits = [kv_split_precisions(p) for p in map(parse_precision, precisions) if p.is_quantized]
+    if not splits:
+        raise ValueError("--kv-split needs a quantized precision: full precision has no loss to split")
     names = list(dict.fromkeys(label for roles in splits for label in roles.values()))
     out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress, codebooks=codebooks)
     out["splits"] = [split_summary(out, roles) for roles in splits]

@@ -235,11 +235,11 @@ def test_split_summary_shares_and_settles_each_role_against_the_precision():
 def test_cli_kv_split_runs_every_role_once_and_writes_its_report(lm, capsys, tmp_path):
     from kvdemo.cli.ppl import format_text, split_lines, split_markdown
 
-    argv = ["ppl", "--precision", "int3,k4v2", "--kv-split", "--tokens", "256", "--prefix", "64", "--json"]
+    argv = ["ppl", "--precision", "full,int3,k4v2", "--kv-split", "--tokens", "256", "--prefix", "64", "--json"]
     assert main(argv + ["--out", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert json.loads((tmp_path / "ppl_kv_split.json").read_text()) == out
-    assert out["command"].startswith("python -m kvdemo ppl --model embedded --kv-split --precision int3,k4v2")
+    assert out["command"].startswith("python -m kvdemo ppl --model embedded --kv-split --precision full,int3,k4v2")
     names = [r["precision"] for r in out["results"]]
     assert names == ["full", "int3", "k3v8", "k8v3", "int8", "k4v2", "k2v4", "k4v8", "k8v2"]  # k4v2: int3's and its own
     assert [s["precision"] for s in out["splits"]] == ["int3", "k4v2"]
@@ -251,3 +251,5 @@ def test_cli_kv_split_runs_every_role_once_and_writes_its_report(lm, capsys, tmp
     assert "| int3 | keys alone | k3v8 |" in table
     assert split_lines(out)[0].startswith("- int3: its keys alone reach ")
     assert table in format_text(out)
+    assert main(["ppl", "--precision", "full", "--kv-split", "--tokens", "256", "--prefix", "64"]) == 2
+    assert "--kv-split needs a quantized precision" in capsys.readouterr().err
