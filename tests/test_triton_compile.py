@@ -26,16 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # decode loop of the methods at head_dim 128, decode rows (bench/compile_sm90.py, triton 3.9): plain int4 is 48
 METHOD_ISSUE_PER_TOKEN = {
     ("k:nuq4 v:nuq4", "channel"): 92.5,  # byte-permute lookups (_PTX_NUQ4); 181.3 with the select tree
-    ("k:nuq3 v:nuq3", "channel"): 134.2,
+    ("k:nuq3 v:nuq3", "channel"): 91.0,  # _PTX_NUQ3; 134.2 with the select tree
     ("k:nuq2 v:nuq2", "channel"): 66.6,  # _PTX_NUQ2; 86.4 with the select tree
-    ("k:int3 v:int3", "channel"): 127.2,
-    ("k:nuq3 v:nuq3 o2", "channel"): 380.8,
+    ("k:int3 v:int3", "channel"): 90.0,  # _PTX_NUQ3 on the codebook 0..7; 127.2 with bit operations
+    ("k:nuq3 v:nuq3 o2", "channel"): 323.4,
     ("k:int4 v:int4 o2", "channel"): 274.3,
     ("k:int4 v:int4 hadamard", "channel"): 48.0,
     ("k:int4 v:int4 prerope", "channel"): 130.6,
     ("k:nuq4 v:nuq4 o2 prerope", "channel"): 338.5,
     ("k:nvfp4 v:nvfp4", "token"): 133.9,
-    ("k:nuq3 v:nuq3", "token"): 155.6,
+    ("k:nuq3 v:nuq3", "token"): 105.4,
 }
 
 

@@ -74,6 +74,8 @@ def run_ptx(asm: str, inputs: list[np.ndarray], n_outputs: int) -> list[np.ndarr
             res = src[0] | src[1]
         elif op == "shr.b32":
             res = src[0] >> src[1]
+        elif op == "shl.b32":
+            res = (src[0].astype(np.uint64) << src[1]) & 0xFFFFFFFF
         elif op == "mad.lo.u32":
             res = (src[0].astype(np.uint64) * src[1] + src[2]) & 0xFFFFFFFF  # the low 32 bits
         elif op == "prmt.b32":
@@ -161,6 +163,41 @@ def test_nuq2_block_looks_up_every_code_in_the_codebook(seed):
         want = levels[(elems >> (2 * plane)) & 3].astype(np.float64)
         np.testing.assert_array_equal(got, want)
         assert np.all(np.signbit(got) == np.signbit(want))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nuq3_block_looks_up_every_code_of_bit_sliced_rows(seed):
+    """_PTX_NUQ3 on bit-sliced rows: every combination of the three planes' bits at each of 4 columns (random
+    plane bytes, all 8 codes in every channel group), each channel's level exactly."""
+    rng = np.random.default_rng(seed)
+    levels = np.sort(rng.uniform(-1, 1, 8)).astype(np.float16)
+    levels[0], levels[3] = (-1.0, -0.0) if seed == 0 else (-65504.0, 0.0)
+    bits = levels.view(np.uint16).astype(np.uint32)
+    words = [
+        sum(((bits[4 * w + k] >> (8 * high)) & 0xFF) << (8 * k) for k in range(4)) for high in (0, 1) for w in range(2)
+    ]
+    planes = rng.integers(0, 256, size=(3, 4096, 4), dtype=np.uint32)  # [plane, word, column]
+    planes[:, :256, 0] = np.arange(256)[None, :] * np.array([1, 7, 13])[:, None] % 256  # every byte at column 0
+    packed = [p[:, 0] | (p[:, 1] << 8) | (p[:, 2] << 16) | (p[:, 3] << 24) for p in planes]
+    regs = run_ptx(tk._PTX_NUQ3.value, packed + [np.full_like(packed[0], w) for w in words for _ in range(4)], 16)
+    for group in range(8):
+        got = np.concatenate([_halves(regs[2 * group]), _halves(regs[2 * group + 1])], axis=-1)  # [words, 4 columns]
+        codes = sum(((planes[j] >> group) & 1) << j for j in range(3))
+        want = levels[codes].astype(np.float64)
+        np.testing.assert_array_equal(got, want)
+        assert np.all(np.signbit(got) == np.signbit(want))
+        assert set(np.unique(codes)) == set(range(8))
+
+
+def test_int3_words_make_the_nuq3_block_give_the_codes_themselves():
+    """int3 compiled for NVIDIA runs _PTX_NUQ3 with the codebook 0..7 (low bytes 0, high bytes _INT3_HI0/1)."""
+    planes = np.stack([np.arange(256, dtype=np.uint32) * m % 256 for m in (1, 7, 13)])[:, :, None].repeat(4, 2)
+    packed = [p[:, 0] | (p[:, 1] << 8) | (p[:, 2] << 16) | (p[:, 3] << 24) for p in planes]
+    words = [0, 0, tk._INT3_HI0.value, tk._INT3_HI1.value]
+    regs = run_ptx(tk._PTX_NUQ3.value, packed + [np.full_like(packed[0], w) for w in words for _ in range(4)], 16)
+    for group in range(8):
+        got = np.concatenate([_halves(regs[2 * group]), _halves(regs[2 * group + 1])], axis=-1)
+        np.testing.assert_array_equal(got, sum(((planes[j] >> group) & 1) << j for j in range(3)).astype(np.float64))
 
 
 def test_evaluator_follows_the_isa_examples():

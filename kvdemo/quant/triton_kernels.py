@@ -40,8 +40,9 @@ Twins of `kvdemo.quant.reference` (same signatures, same storage layout, see its
   FlashAttention (2^-11 relative each).
   The methods beyond uniform codes (reference docstring) are read from their packed storage too, each
   behind a constexpr flag of the kernel (off: the plain variants compile to the code they had before):
-  nuq codebooks (fp16 levels picked in registers by a select tree over the code's bits, or for nuq4 and nuq2
-  compiled for NVIDIA by byte permutes, `_PTX_NUQ4` and `_PTX_NUQ2`; the key fold above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes),
+  nuq codebooks (fp16 levels picked in registers: compiled for NVIDIA by byte permutes, `_PTX_NUQ4`,
+  `_PTX_NUQ3`, `_PTX_NUQ2`, which int3 shares with the codebook 0..7; in the interpreter by a select tree
+  over the code's bits; the key fold above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes),
   nvfp4 (E2M1 codes, E4M3 scales times the block's fp32 tensor scale, keys per token), sparse outliers
   (a row's corrections expanded into a dense fp16 tile: one more dot for keys, added to the values),
   a Hadamard rotation (on the query side: the codes see q @ R, the quantized splits' partial outputs
@@ -188,6 +189,40 @@ def _nuq2_lookup_ptx() -> str:
 
 
 _PTX_NUQ2 = tl.constexpr(_nuq2_lookup_ptx())
+
+
+def _nuq3_lookup_ptx() -> str:
+    """The PTX block for bit-sliced nuq3 rows: the same 4 byte columns of the three bit planes ($16, $17, $18;
+    bit p of plane j's byte is bit j of the code of channel p * D/8 + column) -> the 32 codes' fp16 levels,
+    channel group p in outputs $2p (columns 0-1) and $2p + 1 (columns 2-3). The 8 fp16 levels come as 4 words
+    ($19, $23, $27, $31: low bytes of levels 0-3 and 4-7, then their high bytes). Per group p the three bits
+    are gathered into a code per byte (c), folded into nibbles (c | c >> 4: nibbles 0 and 1 are columns 0 and 1,
+    bits 16-23 columns 2 and 3), looked up in the low and in the high bytes by prmt, and paired into fp16:
+    17 instructions per 4 codes."""
+    planes, lo, hi = ("$16", "$17", "$18"), ("$19", "$23"), ("$27", "$31")
+    lines = ["{", ".reg .b32 c, x, s, u, l, h;"]
+    for p in range(8):
+        for j, plane in enumerate(planes):  # bit p of plane j -> bit j of each byte
+            r, shift = ("c" if j == 0 else "x"), p - j
+            op = f"shr.b32 {r}, {plane}, {shift};" if shift >= 0 else f"shl.b32 {r}, {plane}, {-shift};"
+            lines += [op, f"and.b32 {r}, {r}, 0x{(1 << j) * 0x01010101:08X};"] + (["or.b32 c, c, x;"] if j else [])
+        lines += ["shr.b32 s, c, 4;", "or.b32 s, s, c;", "shr.b32 u, s, 16;"]
+        for sel, out in (("s", f"${2 * p}"), ("u", f"${2 * p + 1}")):
+            lines += [f"prmt.b32 l, {lo[0]}, {lo[1]}, {sel};", f"prmt.b32 h, {hi[0]}, {hi[1]}, {sel};"]
+            lines.append(f"prmt.b32 {out}, l, h, 0x5140;")
+    return "\n".join(lines + ["}"])
+
+
+_PTX_NUQ3 = tl.constexpr(_nuq3_lookup_ptx())
+
+
+def _int3_word(first: int) -> int:
+    """A high-byte word of `_PTX_NUQ3`'s codebook for int3 (codes as the fp16 integers 0..7; their low bytes
+    are all 0): byte k holds the high byte of the fp16 first + k."""
+    return sum((struct.unpack("<H", struct.pack("<e", float(first + k)))[0] >> 8) << (8 * k) for k in range(4))
+
+
+_INT3_HI0, _INT3_HI1 = tl.constexpr(_int3_word(0)), tl.constexpr(_int3_word(4))  # 0x42403C00, 0x47464544
 
 
 def _bits(fmt: str) -> int:
@@ -428,6 +463,38 @@ def _ptx_nuq2(byte, levels_ptr):
 
 
 @triton.jit
+def _bit_sliced_values(plane0, plane1, plane2, CODE: tl.constexpr, BITS: tl.constexpr, levels_ptr):
+    """uint8 bytes of the three bit planes of 3-bit rows -> channel groups 0-7 as `_code_value`s (the Triton-op
+    twin of `_PTX_NUQ3`, and int3's path)."""
+    w = plane0.to(tl.int32) | (plane1.to(tl.int32) << 8) | (plane2.to(tl.int32) << 16)
+    # group p: bit p of each plane (bits p, 8 + p, 16 + p of w) -> code bits 0, 1, 2
+    v0 = _code_value((w & 1) | ((w >> 7) & 2) | ((w >> 14) & 4), CODE, BITS, levels_ptr)
+    v1 = _code_value(((w >> 1) & 1) | ((w >> 8) & 2) | ((w >> 15) & 4), CODE, BITS, levels_ptr)
+    v2 = _code_value(((w >> 2) & 1) | ((w >> 9) & 2) | ((w >> 16) & 4), CODE, BITS, levels_ptr)
+    v3 = _code_value(((w >> 3) & 1) | ((w >> 10) & 2) | ((w >> 17) & 4), CODE, BITS, levels_ptr)
+    v4 = _code_value(((w >> 4) & 1) | ((w >> 11) & 2) | ((w >> 18) & 4), CODE, BITS, levels_ptr)
+    v5 = _code_value(((w >> 5) & 1) | ((w >> 12) & 2) | ((w >> 19) & 4), CODE, BITS, levels_ptr)
+    v6 = _code_value(((w >> 6) & 1) | ((w >> 13) & 2) | ((w >> 20) & 4), CODE, BITS, levels_ptr)
+    v7 = _code_value(((w >> 7) & 1) | ((w >> 14) & 2) | ((w >> 21) & 4), CODE, BITS, levels_ptr)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _ptx_bit_sliced(plane0, plane1, plane2, lo0, lo1, hi0, hi1):
+    """uint8 bytes of the three bit planes of 3-bit rows (same columns) -> channel groups 0-7 as fp16 values
+    of a codebook of 8, by `_PTX_NUQ3`; lo0, lo1: the 8 levels' low bytes (4 per int32 word), hi0, hi1: their
+    high bytes (`_codebook_word`; int3's codebook is the integers 0..7: low bytes 0, high bytes `_INT3_HI0`, `_INT3_HI1`)."""
+    return tl.inline_asm_elementwise(
+        _PTX_NUQ3,
+        "=r" + ",=r" * 15 + ",r,r,r" + ",r" * 16,
+        [plane0, plane1, plane2, lo0, lo1, hi0, hi1],
+        dtype=(tl.float16,) * 8,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _unpack_values(
     row_ptrs,
     valid,
@@ -447,19 +514,19 @@ def _unpack_values(
     if BITS == 3:
         DP: tl.constexpr = D // 8
         cols = tl.arange(0, DP)[None, :]
-        w = tl.load(row_ptrs + cols, mask=valid[:, None], other=0).to(tl.int32)
-        w |= tl.load(row_ptrs + DP + cols, mask=valid[:, None], other=0).to(tl.int32) << 8
-        w |= tl.load(row_ptrs + 2 * DP + cols, mask=valid[:, None], other=0).to(tl.int32) << 16
-        # field p: bit p of each plane (bits p, 8 + p, 16 + p of w) -> code bits 0, 1, 2
-        v0 = _code_value((w & 1) | ((w >> 7) & 2) | ((w >> 14) & 4), CODE, BITS, levels_ptr)
-        v1 = _code_value(((w >> 1) & 1) | ((w >> 8) & 2) | ((w >> 15) & 4), CODE, BITS, levels_ptr)
-        v2 = _code_value(((w >> 2) & 1) | ((w >> 9) & 2) | ((w >> 16) & 4), CODE, BITS, levels_ptr)
-        v3 = _code_value(((w >> 3) & 1) | ((w >> 10) & 2) | ((w >> 17) & 4), CODE, BITS, levels_ptr)
+        p0 = tl.load(row_ptrs + cols, mask=valid[:, None], other=0)
+        p1 = tl.load(row_ptrs + DP + cols, mask=valid[:, None], other=0)
+        p2 = tl.load(row_ptrs + 2 * DP + cols, mask=valid[:, None], other=0)
+        if CODE == 1 and PTX:  # nuq3 compiled for NVIDIA: byte-permute lookups (_PTX_NUQ3)
+            lo0, lo1 = _codebook_word(levels_ptr, 0, 0), _codebook_word(levels_ptr, 4, 0)
+            hi0, hi1 = _codebook_word(levels_ptr, 0, 1), _codebook_word(levels_ptr, 4, 1)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_bit_sliced(p0, p1, p2, lo0, lo1, hi0, hi1)
+        elif CODE == 0 and PTX:  # int3: the same lookups in the codebook 0..7 (fp16 bytes as constants)
+            zero = tl.zeros([], dtype=tl.int32)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_bit_sliced(p0, p1, p2, zero, zero, zero + _INT3_HI0, zero + _INT3_HI1)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _bit_sliced_values(p0, p1, p2, CODE, BITS, levels_ptr)
         low = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, DP, 2 (p % 2), 2 (p // 2 % 2)]
-        v4 = _code_value(((w >> 4) & 1) | ((w >> 11) & 2) | ((w >> 18) & 4), CODE, BITS, levels_ptr)
-        v5 = _code_value(((w >> 5) & 1) | ((w >> 12) & 2) | ((w >> 19) & 4), CODE, BITS, levels_ptr)
-        v6 = _code_value(((w >> 6) & 1) | ((w >> 13) & 2) | ((w >> 20) & 4), CODE, BITS, levels_ptr)
-        v7 = _code_value(((w >> 7) & 1) | ((w >> 14) & 2) | ((w >> 21) & 4), CODE, BITS, levels_ptr)
         planes = tl.join(low, tl.join(tl.join(v4, v5), tl.join(v6, v7)))  # [BN, DP, 2, 2, 2 (p // 4)]
         codes = tl.reshape(tl.permute(planes, (0, 4, 3, 2, 1)), (BLOCK_N, D))
     else:
