@@ -235,21 +235,23 @@ def test_split_summary_shares_and_settles_each_role_against_the_precision():
 def test_cli_kv_split_runs_every_role_once_and_writes_its_report(lm, capsys, tmp_path):
     from kvdemo.cli.ppl import format_text, split_lines, split_markdown
 
-    argv = ["ppl", "--precision", "full,int3,k4v2", "--kv-split", "--tokens", "256", "--prefix", "64", "--json"]
+    precisions = "full,int3:g16:r16,k4v2:g16:r16"  # 16-token blocks: short text, quantized past
+    argv = ["ppl", "--precision", precisions, "--kv-split", "--tokens", "128", "--prefix", "32", "--json"]
     assert main(argv + ["--out", str(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert json.loads((tmp_path / "ppl_kv_split.json").read_text()) == out
-    assert out["command"].startswith("python -m kvdemo ppl --model embedded --kv-split --precision full,int3,k4v2")
-    names = [r["precision"] for r in out["results"]]
+    assert out["command"].startswith(f"python -m kvdemo ppl --model embedded --kv-split --precision {precisions}")
+    names = [r["precision"].removesuffix(":g16:r16") for r in out["results"]]
     assert names == ["full", "int3", "k3v8", "k8v3", "int8", "k4v2", "k2v4", "k4v8", "k8v2"]  # k4v2: int3's and its own
-    assert [s["precision"] for s in out["splits"]] == ["int3", "k4v2"]
+    assert [s["precision"] for s in out["splits"]] == ["int3:g16:r16", "k4v2:g16:r16"]
     rows = {r["precision"]: r for r in out["results"]}
-    assert out["splits"][0]["kl_share"]["keys alone"] == round(rows["k3v8"]["logit_kl"] / rows["int3"]["logit_kl"], 4)
-    assert out["splits"][1]["roles"]["a bit to the values"] == "int3"
+    int3, k3v8 = rows["int3:g16:r16"]["logit_kl"], rows["k3v8:g16:r16"]["logit_kl"]
+    assert int3 > 0 and out["splits"][0]["kl_share"]["keys alone"] == round(k3v8 / int3, 4)
+    assert out["splits"][1]["roles"]["a bit to the values"] == "int3:g16:r16"
     table = split_markdown(out)
     assert table.count("\n") == 2 + len(out["splits"][0]["roles"]) + len(out["splits"][1]["roles"]) - 1
-    assert "| int3 | keys alone | k3v8 |" in table
-    assert split_lines(out)[0].startswith("- int3: its keys alone reach ")
+    assert "| int3:g16:r16 | keys alone | k3v8:g16:r16 |" in table
+    assert split_lines(out)[0].startswith("- int3:g16:r16: its keys alone reach ")
     assert table in format_text(out)
-    assert main(["ppl", "--precision", "full", "--kv-split", "--tokens", "256", "--prefix", "64"]) == 2
+    assert main(["ppl", "--precision", "full", "--kv-split", "--tokens", "128", "--prefix", "32"]) == 2
     assert "--kv-split needs a quantized precision" in capsys.readouterr().err

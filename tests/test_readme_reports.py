@@ -448,5 +448,7 @@ def test_kv_split_prose_figures_are_its_report():
         assert f"{kl[name]:.2e}" in text, name
     for name in ("k2v4", "knuq2vnuq4:o1"):
         assert f"{name} {delta[name]:+.3f}" in text
+    floor = max(kl[s["roles"]["both at int8"]] for s in report["splits"])
+    assert f"both parts at int8 cost a KL of {floor:.2e} at most" in README
     verdicts = {c["precision"]: c["verdict"] for s in report["splits"] for c in s["comparisons"]}
     assert verdicts["knuq4vnuq2:o1"] == verdicts["k4v2"] == "higher"  # "both settle worse"
