@@ -152,7 +152,7 @@ or.b32 $1, b, m;
 def _nuq4_lookup_ptx() -> str:
     """The PTX block for nuq4 codes: 4 packed bytes ($4; a byte's low nibble is plane 0, its high nibble plane 1)
     -> their 8 codebook levels as fp16, planes as `_PTX_INT4` lays them out (plane 0 in $0, $1; plane 1 in
-    $2, $3). The 16 fp16 levels come as 8 words (`_codebook_words`, each in the first of its pack of 4
+    $2, $3). The 16 fp16 levels come as 8 words (`_codebook_word`, each in the first of its pack of 4
     registers: $5, $9, ..., $33): words 0-3 hold the levels' low bytes (levels 4w..4w+3), words 4-7 their high
     bytes. A prmt with the codes as its selector looks up 4 codes at once: the selector's nibble i picks byte
     i of the result from 8 bytes (two words), which is one bank of 8 levels; bit 3 of each code, moved to bit
@@ -421,8 +421,8 @@ def _code_value(c, CODE: tl.constexpr, BITS: tl.constexpr, levels_ptr):
 
 @triton.jit
 def _codebook_word(levels_ptr, FIRST: tl.constexpr, HIGH: tl.constexpr):
-    """One int32 word of `_PTX_NUQ4`'s codebook: byte k holds the low (HIGH 0) or high (HIGH 1) byte of the fp16
-    level FIRST + k (k = 0..3)."""
+    """One int32 word of the codebook the `_PTX_NUQ*` blocks read: byte k holds the low (HIGH 0) or high (HIGH 1)
+    byte of the fp16 level FIRST + k (k = 0..3)."""
     word = 0
     for k in tl.static_range(4):
         level = tl.load(levels_ptr + FIRST + k).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -533,12 +533,12 @@ def _unpack_values(
         DP: tl.constexpr = D * BITS // 8
         byte = tl.load(row_ptrs + tl.arange(0, DP)[None, :], mask=valid[:, None], other=0)
         b = byte.to(tl.int32)
-        if BITS == 4 and CODE == 1 and PTX:  # nuq4 compiled for NVIDIA: byte-permute lookups (_PTX_NUQ4)
-            lo, hi = _ptx_nuq4(byte, levels_ptr)
+        if BITS == 4:
+            if CODE == 1 and PTX:  # nuq4 compiled for NVIDIA: byte-permute lookups (_PTX_NUQ4)
+                lo, hi = _ptx_nuq4(byte, levels_ptr)
+            else:
+                lo, hi = _code_value(b & 15, CODE, BITS, levels_ptr), _code_value(b >> 4, CODE, BITS, levels_ptr)
             planes = tl.join(lo, hi)
-            codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))
-        elif BITS == 4:
-            planes = tl.join(_code_value(b & 15, CODE, BITS, levels_ptr), _code_value(b >> 4, CODE, BITS, levels_ptr))
             codes = tl.reshape(tl.permute(planes, (0, 2, 1)), (BLOCK_N, D))  # [BN, DP, 2 (p)] -> channel p * DP + j
         else:
             if CODE == 1 and PTX:  # nuq2 compiled for NVIDIA: one byte permute per 2 codes (_PTX_NUQ2)
