@@ -484,7 +484,7 @@ def precision_picker(label: str, key: str, default: list[str], where=st, leave_o
     precision, and any precision string typed into it (`knuq4vnuq2:o1`, `int4:g64:s4`), the CLI's grammar.
     Returns the picks' labels; a string that does not parse shows its reason and is left out (it stays in the
     box until removed, so the user sees what to fix)."""
-    wanted = persist(key, default)
+    wanted = list(dict.fromkeys(persist(key, default)))  # a default may name the sidebar's precision twice
     choices = [c for c in precision_choices(wanted) if c not in leave_out]
     st.session_state[key] = [p for p in wanted if p in choices]
     picked = where.multiselect(

@@ -78,9 +78,7 @@ reserve = c3.number_input(
 )  # fmt: skip
 custom = c4.checkbox("Custom GPU size", key="hr_custom")
 custom_gb = c4.number_input("GB per GPU", 1.0, 10_000.0, key="hr_custom_gb", disabled=not custom)
-specs_picked = common.precision_picker(
-    "KV precisions", "hr_precisions", list(dict.fromkeys([*DEFAULT_PRECISIONS, spec.label]))
-)
+specs_picked = common.precision_picker("KV precisions", "hr_precisions", [*DEFAULT_PRECISIONS, spec.label])
 
 out = None
 try:
@@ -153,9 +151,7 @@ st.subheader(f"Measured: the live cache of {lm.name}")
 common.persist("mem_tokens", min(1024, lm.max_context))
 c1, c2 = st.columns([1, 3])
 tokens = int(c1.number_input("Tokens of prose", 16, lm.max_context, step=64, key="mem_tokens"))
-measure_specs = common.precision_picker(
-    "Precisions to measure", "mem_precisions", list(dict.fromkeys(["full", "int8", spec.label])), c2
-)
+measure_specs = common.precision_picker("Precisions to measure", "mem_precisions", ["full", "int8", spec.label], c2)
 if st.button("Measure", key="mem_run", type="primary"):
     if not measure_specs:
         st.error("pick at least one precision")

@@ -90,7 +90,7 @@ c4.number_input(
 picked = common.precision_picker(
     "Precisions (full precision is always included)",
     "needle_precisions",
-    list(dict.fromkeys(["full", "int8", common.spec().label, "int2"])),
+    ["full", "int8", common.spec().label, "int2"],
 )
 prefill_mode = st.radio(
     "Prefill: how each quantized cache stores the haystack",

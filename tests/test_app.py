@@ -360,6 +360,9 @@ def test_precision_boxes_take_typed_strings_and_say_why_one_is_left_out():
     at.switch_page("app_pages/needle.py").run()
     at.switch_page("app_pages/memory.py").run()  # the picks, typed ones too, survive another page
     assert at.multiselect(key="mem_precisions").value == ["full", "knuq4vnuq2:o1", "INT5:g16"]
+    at.sidebar.selectbox(key="kv_preset").set_value("int8").run()  # the drift page's default names int8 twice
+    at.switch_page("app_pages/drift.py").run()
+    assert not at.exception and at.multiselect(key="drift_precisions").value == ["int8", "int2"]
 
 
 # --- concurrency ---------------------------------------------------------------------------------
