@@ -270,11 +270,15 @@ def test_stored_exact_states_equal_a_real_prefill(lm):
 
 
 @pytest.fixture(scope="module")
-def quick_report(lm, tmp_path_factory):
+def quick_report(tmp_path_factory):
+    """One quick bench for every test here, run as a user runs it: `python -m kvdemo bench --quick --json --out`
+    in a new process (report on stdout, progress on stderr)."""
     out = tmp_path_factory.mktemp("bench")
-    messages = []
-    report = bench.run_bench(lm, quick=True, out_dir=out, on_progress=messages.append)
-    return report, out, messages
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "kvdemo", "bench", "--quick", "--json", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout), out, proc.stderr.splitlines()
 
 
 @pytest.mark.model
@@ -351,12 +355,8 @@ def test_quick_bench_values_are_sane(quick_report, lm):
 
 
 @pytest.mark.model
-def test_cli_bench_quick_json(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "kvdemo", "bench", "--quick", "--json", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout)
-    assert out == json.loads((tmp_path / "bench.json").read_text())
-    assert out["quick"] is True and out["results"][0]["contender"] == "full"
-    assert "set-up probe" in proc.stderr  # progress goes to stderr, the JSON alone to stdout
+def test_cli_bench_quick_json(quick_report):
+    report, out, stderr = quick_report
+    assert report == json.loads((out / "bench.json").read_text())
+    assert report["quick"] is True and report["results"][0]["contender"] == "full"
+    assert any("set-up probe" in line for line in stderr)  # progress goes to stderr, the JSON alone to stdout
