@@ -15,6 +15,7 @@ PAGES = [
     st.Page("app_pages/findings.py", title="Findings", icon=":material/fact_check:", url_path="findings"),
     st.Page("app_pages/chat.py", title="Chat", icon=":material/chat:", url_path="chat"),
     st.Page("app_pages/needle.py", title="Needle", icon=":material/search:", url_path="needle"),
+    st.Page("app_pages/perplexity.py", title="Perplexity", icon=":material/show_chart:", url_path="perplexity"),
     st.Page("app_pages/memory.py", title="Memory & headroom", icon=":material/bar_chart:", url_path="memory"),
     st.Page("app_pages/drift.py", title="Attention drift", icon=":material/grid_on:", url_path="drift"),
 ]

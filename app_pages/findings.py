@@ -179,6 +179,11 @@ if ablation is not None:
         f"Measured with `{ablation['command']}` on {ablation['date']} (assets/reports/ablation.json), CPU, fp32; "
         "README's 'The ablation, measured' has the reading."
     )
+    st.page_link(
+        "app_pages/perplexity.py",
+        label="Score any of these on the loaded model, on held-out prose or your document",
+        icon=":material/arrow_forward:",
+    )
 
 split = ppl.load_kv_split()
 if split is not None:

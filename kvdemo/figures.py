@@ -303,6 +303,44 @@ def ablation_frontier_figure(report: dict) -> go.Figure:
     return fig
 
 
+def ppl_frontier_figure(report: dict) -> go.Figure:
+    """A `kvdemo.ppl.run_ppl` report's quantized precisions: logit KL vs full precision (log axis, 95% interval as
+    error bars where the report has it) against bits per element, one labelled point each; lower left is better."""
+    from .ppl import HELD_OUT_NAME, interval_text
+
+    rows = [r for r in report["results"] if r["precision"] != "full"]
+    low = [r["logit_kl"] - r["logit_kl_ci95"][0] if r.get("logit_kl_ci95") else 0.0 for r in rows]
+    high = [r["logit_kl_ci95"][1] - r["logit_kl"] if r.get("logit_kl_ci95") else 0.0 for r in rows]
+    hover = []
+    for r in rows:
+        ci = r.get("delta_vs_full_ci95")
+        interval = "" if ci is None else f" (95%: {interval_text(ci)})"
+        hover.append(f"{r['precision']}<br>perplexity delta {r['delta_vs_full']:+.3f}{interval}")
+    fig = go.Figure(
+        go.Scatter(
+            x=[r["bits_per_element"] for r in rows],
+            y=[r["logit_kl"] for r in rows],
+            error_y={"type": "data", "symmetric": False, "array": high, "arrayminus": low},
+            mode="markers+text",
+            text=[r["precision"] for r in rows],
+            textposition="top center",
+            customdata=hover,
+            hovertemplate="%{customdata}<br>%{x:.2f} bits/element, KL %{y:.3g}<extra></extra>",
+            showlegend=False,
+        )
+    )
+    _title(
+        fig,
+        f"{report.get('text', HELD_OUT_NAME)} on {report['model']}: logit KL vs full precision against bits per "
+        "element (lower left is better)",
+        72,
+        xaxis_title="bits per element (16-bit basis)",
+        yaxis_title="logit KL vs full precision (nats)",
+        yaxis_type="log",
+    )
+    return fig
+
+
 def bench_memory_figure(report: dict) -> go.Figure:
     """Cache memory ratio vs a 16-bit cache, per contender and context length."""
     fig = _bench_bars(

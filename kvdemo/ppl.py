@@ -160,22 +160,28 @@ def run_ppl(
     kl_every: int = 4,
     on_progress: Callable[[str], None] | None = None,
     codebooks=None,
+    text: tuple[str, Sequence[int]] | None = None,
+    on_row: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Perplexity at `tokens` tokens of the held-out text at each KV precision (full precision always runs
-    first, as the reference), with the cache's size after scoring on the 16-bit basis (kvdemo.sizes):
-    {"model", "tokens", "prefix", "chunk", "basis", "results": [{"precision", "ppl", "delta_vs_full",
-    "logit_kl", "bits_per_element", "ratio_vs_fp16", "live_bytes"}]}, and "codebooks" (what the nuq
-    precisions' levels were fitted on) when there are any. codebooks: a `codebooks.Codebooks` for the nuq
-    precisions (default: the model's own)."""
+    """Perplexity at `tokens` tokens of a text at each KV precision (full precision always runs first, as the
+    reference), with the cache's size after scoring on the 16-bit basis (kvdemo.sizes): {"model", "text",
+    "tokens", "prefix", "chunk", "basis", "results": [{"precision", "ppl", "delta_vs_full", "logit_kl",
+    "bits_per_element", "ratio_vs_fp16", "live_bytes"}]}, and "codebooks" (what the nuq precisions' levels
+    were fitted on) when there are any. text: (name, token ids) to score, default the held-out prose.
+    codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own). on_row: each
+    result row as its cache finishes (its delta set, its intervals not yet: they need every cache)."""
     from .memory import fp16_cache_bytes
     from .sizes import SERVE_BITS, dtype_name, from_nbytes
     from .texts import held_out_ids
 
     if tokens > lm.max_context:
         raise ValueError(f"--tokens {tokens} exceeds the model's context ({lm.max_context})")
+    text_name, ids = text if text is not None else (HELD_OUT_NAME, held_out_ids(lm, tokens))
+    if len(ids) < tokens:
+        raise ValueError(f"{text_name} has {len(ids):,} tokens; scoring {tokens:,} needs a longer text or fewer tokens")
     specs = [parse_precision("full")] + [s for s in map(parse_precision, precisions) if s.label != "full"]
     caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s, codebooks)) for s in specs]
-    text = held_out_ids(lm, tokens)
+    text = list(ids[:tokens])
     results = []
     lo, hi = tokens // 2 - prefix, tokens - prefix  # scored indices of positions [tokens/2, tokens)
     blocks = {"size": BLOCK, "resamples": RESAMPLES, "seed": SEED, "nll": {}, "logit_kl": {}}
@@ -198,13 +204,16 @@ def run_ppl(
                 "stored_tokens": stored,
             }
         )
+        results[-1]["delta_vs_full"] = round(results[-1]["ppl"] - results[0]["ppl"], 4)
+        if on_row is not None:
+            on_row(dict(results[-1]))
     drawn = resampled_figures(blocks)
     for r in results:
-        r["delta_vs_full"] = round(r["ppl"] - results[0]["ppl"], 4)
         for measure in ("delta_vs_full", "logit_kl"):
             r[f"{measure}_ci95"] = interval95(drawn[measure][r["precision"]])
     out = {
         "model": lm.name,
+        "text": text_name,
         "tokens": tokens,
         "prefix": prefix,
         "chunk": chunk,
@@ -218,6 +227,70 @@ def run_ppl(
     if described is not None:
         out["codebooks"] = described
     return out
+
+
+HELD_OUT_NAME = "Held-out prose (Sense and Sensibility)"  # run_ppl's text unless given one
+HELD_OUT_TOKENS = 16384  # the most the held-out prose gives before it repeats (17.2k SmolLM2 tokens)
+MIN_TOKENS = 256  # the shortest text worth scoring: 64 stored exactly, 128 scored (two blocks of BLOCK)
+
+
+def default_prefix(tokens: int) -> int:
+    """The exact prefix for a `tokens`-token run: a quarter, as the CLI's 1024 of 4096."""
+    return max(tokens // 4, 1)
+
+
+def longest_text(lm: LoadedModel, document_tokens: int | None = None) -> int:
+    """The most tokens one run scores: the model's context, and the document's length when it scores one
+    (the held-out prose: HELD_OUT_TOKENS)."""
+    return min(lm.max_context, HELD_OUT_TOKENS if document_tokens is None else document_tokens)
+
+
+def work_tokens(tokens: int, prefix: int, quantized: int) -> int:
+    """Tokens of model work in one run (for time hints, kvdemo.rates): the exact prefix once, then the rest
+    decoded through full precision and each of `quantized` caches."""
+    return prefix + (tokens - prefix) * (quantized + 1)
+
+
+def document_ids(lm: LoadedModel, text: str) -> list[int]:
+    """A document's token ids as run_ppl scores them: the text alone, no special tokens and no chat template
+    (counted as kvdemo.documents counts a document)."""
+    return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def result_rows(results: Sequence[dict]) -> list[dict]:
+    """run_ppl's result rows as the app's table shows them (a row without its intervals, as `on_row` gives
+    it, shows none)."""
+    rows = []
+    for r in results:
+        rows.append(
+            {
+                "precision": r["precision"],
+                "perplexity": round(r["ppl"], 3),
+                "delta vs full": round(r["delta_vs_full"], 3),
+                "delta 95%": interval_text(r.get("delta_vs_full_ci95")),
+                "logit KL": float(f"{r['logit_kl']:.3g}"),
+                "KL 95%": interval_text(r.get("logit_kl_ci95"), ".3g"),
+                "bits/element": r["bits_per_element"],
+                "x smaller than fp16": round(r["ratio_vs_fp16"], 2),
+            }
+        )
+    return rows
+
+
+def interval_note(report: dict) -> str:
+    """What a run_ppl report's intervals rest on, and where they are too thin to rank anything."""
+    lo, hi = report["scored_positions"]
+    blocks = len(report["blocks"]["nll_counts"])
+    note = (
+        f"Perplexity over tokens {lo:,} to {hi:,} ({hi - lo:,} scored, the first {report['prefix']:,} stored exactly). "
+        f"95% intervals: {report['blocks']['resamples']:,} resamples of {blocks} blocks of {report['blocks']['size']} "
+        "tokens; two precisions differ beyond doubt on a measure only where their intervals of the difference exclude "
+        "zero, so overlapping intervals here rank nothing. Bits and ratios count every stored byte (codes, scales, "
+        "outliers, sinks, residual window) at 16 bits for full-precision parts."
+    )
+    if blocks < 8:
+        note += f" With {blocks} blocks the intervals are rough: score more tokens for intervals worth reading."
+    return note
 
 
 # --- the methods ablation (issue 17): KVQuant's table, on this model --------------------------------
@@ -476,6 +549,7 @@ def run_kv_split(
     prefix: int = 1024,
     on_progress: Callable[[str], None] | None = None,
     codebooks=None,
+    text: tuple[str, Sequence[int]] | None = None,
 ) -> dict:
     """`run_ppl` over each quantized precision's `kv_split_precisions` in one run (full precision runs first as
     always), and per precision a `split_summary` ("splits")."""
@@ -483,7 +557,7 @@ def run_kv_split(
     if not splits:
         raise ValueError("--kv-split needs a quantized precision: full precision has no loss to split")
     names = list(dict.fromkeys(label for roles in splits for label in roles.values()))
-    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress, codebooks=codebooks)
+    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress, codebooks=codebooks, text=text)
     out["splits"] = [split_summary(out, roles) for roles in splits]
     return out
 

@@ -4,7 +4,8 @@ A page records each finished run (`record`: the tokens it processed and the seco
 estimates the next one from the median of the last few runs of the same task on the same model and
 device (`estimate`, `hint`). Before any run the estimate uses a cautious default rate, and says so.
 What counts as a token of work is the task's choice, the same in `record` and `estimate`:
-drift: (prompt + new tokens) x (quantized precisions + 1); needle: the prompt tokens of every run.
+drift: (prompt + new tokens) x (quantized precisions + 1); needle: the prompt tokens of every run; ppl: the
+exact prefix once and the decoded tokens of every cache (`kvdemo.ppl.work_tokens`).
 """
 
 from __future__ import annotations

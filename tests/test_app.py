@@ -22,7 +22,13 @@ NOTES = (
     "Meeting notes. The budget review is on Tuesday at 10 in room 4. Anna presents the travel costs, "
     "which rose by 12 percent. Ben asks for a new laptop. The next review is in March."
 )
-PAGES = ["app_pages/chat.py", "app_pages/needle.py", "app_pages/memory.py", "app_pages/drift.py"]
+PAGES = [
+    "app_pages/chat.py",
+    "app_pages/needle.py",
+    "app_pages/perplexity.py",
+    "app_pages/memory.py",
+    "app_pages/drift.py",
+]
 
 pytestmark = pytest.mark.model
 
@@ -479,6 +485,67 @@ def test_cancel_keeps_the_complete_grid_and_shows_the_partial_one_beside_it(monk
     assert partial["stopped"] == "cancelled" and len(partial["rows"]) == 1 and partial["seconds"] >= 0.05
     assert any("Cancelled run (partial): 1 of 8 runs" in i.value for i in at.info)
     assert len(at.get("download_button")) == 4  # the complete grid's CSV/JSON and the partial one's
+
+
+def test_perplexity_page_scores_held_out_prose_then_the_users_document():
+    """The Perplexity page runs kvdemo.ppl.run_ppl on what it names: the held-out prose, then the uploaded
+    document (a document too short to score says so and leaves the page serving)."""
+    from kvdemo import ppl
+    from kvdemo.texts import prose
+
+    at = start("app_pages/perplexity.py")
+    at.number_input(key="ppl_tokens").set_value(256)
+    at.multiselect(key="ppl_precisions").set_value(["int4"])
+    at.button(key="ppl_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    out = at.session_state["ppl_result"]
+    assert out["text"] == ppl.HELD_OUT_NAME and [r["precision"] for r in out["results"]] == ["full", "int4"]
+    assert at.subheader[0].value == f"{ppl.HELD_OUT_NAME}: tokens 128 to 256 scored"
+    assert list(at.dataframe[0].value["precision"]) == ["full", "int4"]
+    assert len(at.get("plotly_chart")) == 1 and len(at.get("download_button")) == 2
+
+    at.switch_page("app_pages/chat.py").run()
+    upload(at, "notes.txt", NOTES.encode())
+    at.switch_page("app_pages/perplexity.py").run()
+    at.radio(key="ppl_source").set_value("document").run()
+    assert not at.exception
+    assert any("notes.txt has" in e.value and "at least 256" in e.value for e in at.error)
+    assert at.button(key="ppl_run").disabled
+    assert at.session_state["ppl_result"] is out and at.subheader[0].value.startswith(ppl.HELD_OUT_NAME)  # still shown
+
+    at.switch_page("app_pages/chat.py").run()
+    upload(at, "chapter.txt", prose()[:4000].encode())
+    at.switch_page("app_pages/perplexity.py").run()
+    at.radio(key="ppl_source").set_value("document").run()
+    at.button(key="ppl_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    mine = at.session_state["ppl_result"]
+    assert mine["text"] == "chapter.txt" and mine["tokens"] == at.number_input(key="ppl_tokens").value
+    assert mine["results"][0]["ppl"] != out["results"][0]["ppl"]
+
+
+def test_perplexity_cancel_keeps_the_last_run_and_shows_the_finished_precisions(monkeypatch):
+    from kvdemo import ppl
+
+    at = start("app_pages/perplexity.py")
+    at.number_input(key="ppl_tokens").set_value(256)
+    at.multiselect(key="ppl_precisions").set_value(["int4"])
+    at.button(key="ppl_run").click().run()
+    complete = at.session_state["ppl_result"]
+
+    def full_then_cancel(lm, precisions, tokens, prefix, on_row=None, **kw):
+        on_row(dict(complete["results"][0]))
+        raise StopException()  # what Streamlit raises in the script when the user's Cancel click reruns it
+
+    monkeypatch.setattr(ppl, "run_ppl", full_then_cancel)
+    at.multiselect(key="ppl_precisions").set_value(["int4", "int2"])
+    at.button(key="ppl_run").click().run()
+    at.button(key="ppl_cancel").click().run()
+    assert not at.exception
+    assert at.session_state["ppl_result"] == complete
+    assert any("1 of 3 precisions finished" in i.value for i in at.info)
+    partial, last = (d.value for d in at.dataframe)
+    assert list(partial["precision"]) == ["full"] and list(last["precision"]) == ["full", "int4"]
 
 
 def test_needle_repeats_run_each_cell_with_new_needles_and_show_found_rates():

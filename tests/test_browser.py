@@ -1,7 +1,7 @@
 """A real browser against `streamlit run app.py`: Debian Chromium driven by Playwright (sync API).
 
 Opens every page through the app's own navigation (one session throughout), uploads a file, sends a
-chat message and waits for both answers, runs a small needle grid and a drift run, and takes a
+chat message and waits for both answers, runs a small needle grid, a perplexity run and a drift run, and takes a
 screenshot of each page into a temporary folder. Every wait has a timeout and the server is always
 killed. With KVDEMO_SCREENSHOTS=assets/screenshots the screenshots go there instead, at larger sizes
 (this is how the README's screenshots are refreshed):
@@ -43,8 +43,9 @@ REFRESH = os.environ.get("KVDEMO_SCREENSHOTS", "")
 # Test sizes are tiny; the README's screenshots use sizes that show what the pages are for.
 SIZES = (
     {"max_new": "40", "lengths": "512,1024,2048", "depths": "0,50,100", "drift_tokens": "512", "drift_new": "8"}
+    | {"ppl_tokens": "2048"}
     if REFRESH
-    else {"max_new": "6", "lengths": "160", "depths": "50", "drift_tokens": "64", "drift_new": "2"}
+    else {"max_new": "6", "lengths": "160", "depths": "50", "drift_tokens": "64", "drift_new": "2", "ppl_tokens": "256"}
 )
 DOCUMENT = (
     "Meeting notes, 14 March. The budget review moved to Tuesday at 10 in room 4. Anna presents the travel "
@@ -254,6 +255,18 @@ def test_every_page_in_chromium(server, page, tmp_path):
     expect(page.locator(".js-plotly-plot")).to_have_count(3)
     shoot(page, shots, "needle")
 
+    # Perplexity of the held-out prose at the default precisions (the sidebar's, int4, nuq3:o1, int2).
+    goto(page, "Perplexity")
+    fill(page, "Text tokens", SIZES["ppl_tokens"])
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text(re.compile(r"Held-out prose \(Sense and Sensibility\): tokens [\d,]+ to [\d,]+ scored")).wait_for(
+        timeout=MODEL_WORK_S * 1000 * (3 if REFRESH else 1)
+    )
+    idle(page)
+    no_exception(page)
+    expect(page.locator(".js-plotly-plot")).to_have_count(1)
+    shoot(page, shots, "perplexity")
+
     # Memory & headroom: formulas at once, no model work needed.
     goto(page, "Memory & headroom")
     page.locator(".js-plotly-plot").nth(3).wait_for()  # at least four figures
@@ -304,6 +317,7 @@ def test_every_page_in_chromium(server, page, tmp_path):
         "home.png",
         "memory.png",
         "needle.png",
+        "perplexity.png",
     ]
 
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -255,3 +256,63 @@ def test_cli_kv_split_runs_every_role_once_and_writes_its_report(lm, capsys, tmp
     assert table in format_text(out)
     assert main(["ppl", "--precision", "full", "--kv-split", "--tokens", "128", "--prefix", "32"]) == 2
     assert "--kv-split needs a quantized precision" in capsys.readouterr().err
+
+
+def test_a_given_text_is_scored_named_and_reported_row_by_row(lm):
+    """run_ppl on (name, ids) scores those ids: full precision equals one plain forward of them (the model's own
+    teacher-forced perplexity), the report names the text, each row reaches on_row as its cache finishes (delta
+    set, intervals not yet), and a text shorter than --tokens is refused with both counts."""
+    from kvdemo.texts import prose
+
+    ids = ppl.document_ids(lm, prose()[:4000])
+    assert ids == lm.tokenizer(prose()[:4000], add_special_tokens=False)["input_ids"] and len(ids) >= 256
+    seen = []
+    out = ppl.run_ppl(lm, ["int2"], tokens=256, prefix=64, text=("notes.txt", ids), on_row=seen.append)
+    with runner.attention_impl(lm, "sdpa"), torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([ids[:256]])).logits[0].float()
+    nll = F.cross_entropy(logits[127:255], torch.tensor(ids[128:256]))
+    assert out["text"] == "notes.txt" and out["results"][0]["ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-3)
+    assert [r["precision"] for r in seen] == ["full", "int2"]
+    assert seen[1]["delta_vs_full"] == out["results"][1]["delta_vs_full"] > 0
+    assert "delta_vs_full_ci95" not in seen[1] and "delta_vs_full_ci95" in out["results"][1]
+    with pytest.raises(ValueError, match="short.txt has 100 tokens; scoring 256"):
+        ppl.run_ppl(lm, ["int4"], tokens=256, prefix=64, text=("short.txt", ids[:100]))
+
+
+def test_table_rows_figure_and_note_say_what_the_report_holds(scored):
+    from kvdemo.figures import ppl_frontier_figure
+
+    rows = ppl.result_rows(scored["results"])
+    assert [r["precision"] for r in rows] == ["full", "int8", "int2"]
+    int2 = scored["results"][2]
+    assert rows[2]["delta 95%"] == ppl.interval_text(int2["delta_vs_full_ci95"])
+    assert rows[2]["x smaller than fp16"] == round(int2["ratio_vs_fp16"], 2)
+    assert ppl.result_rows([{k: v for k, v in int2.items() if "ci95" not in k}])[0]["KL 95%"] == ""
+    (trace,) = ppl_frontier_figure(scored).data  # the quantized precisions, full precision left out
+    assert list(trace.text) == ["int8", "int2"] and list(trace.y) == [r["logit_kl"] for r in scored["results"][1:]]
+    assert trace.error_y.array[1] == pytest.approx(int2["logit_kl_ci95"][1] - int2["logit_kl"])
+    note = ppl.interval_note(scored)
+    assert "4 blocks of 64 tokens" in note and "rough" in note  # 256 scored tokens
+    long_model, short_model = SimpleNamespace(max_context=131072), SimpleNamespace(max_context=8192)
+    assert ppl.longest_text(long_model) == ppl.HELD_OUT_TOKENS and ppl.longest_text(short_model) == 8192
+    assert ppl.longest_text(short_model, 300) == 300 and ppl.longest_text(short_model, 9000) == 8192
+    assert ppl.work_tokens(2048, 512, 3) == 512 + 1536 * 4
+
+
+def test_cli_scores_a_document_and_says_so(lm, capsys, tmp_path):
+    from kvdemo.texts import prose
+
+    doc = tmp_path / "chapter.md"
+    doc.write_text(prose()[:4000])
+    argv = ["ppl", "--precision", "int4", "--tokens", "256", "--prefix", "64", "--document", str(doc)]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == "chapter.md" and out["command"].endswith(f"--document {doc}")
+    assert [r["precision"] for r in out["results"]] == ["full", "int4"]
+    assert main(argv) == 0 and "perplexity of chapter.md, tokens [128, 256)" in capsys.readouterr().out
+    assert main(["ppl", "--ablation", "--document", str(doc)]) == 2
+    assert "--ablation scores the held-out prose" in capsys.readouterr().err
+    assert main(["ppl", "--document", str(tmp_path / "missing.txt")]) == 2
+    assert "document not found" in capsys.readouterr().err
+    assert main([*argv[:-4], "--tokens", "4096", "--prefix", "1024", "--document", str(doc)]) == 2
+    assert "chapter.md has" in capsys.readouterr().err

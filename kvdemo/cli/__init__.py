@@ -167,11 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="also write the JSON to this file")
     p.set_defaults(func=_lazy("prefill_modes", "run_cli"), text=_lazy("prefill_modes", "format_text"))
 
-    p = sub.add_parser("ppl", help="perplexity of held-out text, every token attending over the stored cache")
+    p = sub.add_parser(
+        "ppl", help="perplexity of held-out text (or yours), every token attending over the stored cache"
+    )
     _model_args(p)
     p.add_argument("--precision", default="int8,k8v4,int4,int2", help="KV precisions (full always runs first)")
     p.add_argument("--tokens", type=_positive_int, default=4096, help="text length; scored: [tokens/2, tokens)")
     p.add_argument("--prefix", type=_positive_int, default=1024, help="tokens stored exactly before scoring starts")
+    p.add_argument(
+        "--document",
+        default="",
+        help="score your own text (txt, md, pdf, docx, html; the text alone, no chat template) instead of the "
+        "held-out prose; it needs at least --tokens tokens",
+    )
     p.add_argument(
         "--ablation",
         action="store_true",

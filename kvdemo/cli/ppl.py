@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..ppl import run_ablation, run_kv_split, run_ppl, split_rows, split_sentence
+from ..ppl import HELD_OUT_NAME, document_ids, run_ablation, run_kv_split, run_ppl, split_rows, split_sentence
 from ..precision import parse_precision_list
 
 # the memory and decode-speed rows of the ablation report (issue 17's acceptance)
@@ -21,7 +21,17 @@ def run_cli(args) -> dict:
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if args.document and args.ablation:
+        raise ValueError("--document goes with --precision or --kv-split; --ablation scores the held-out prose")
+    if args.document and not Path(args.document).is_file():
+        raise ValueError(f"document not found: {args.document}")
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    text = None
+    if args.document:
+        from ..documents import extract_file
+
+        doc = extract_file(Path(args.document))
+        text = (doc.name, document_ids(lm, doc.text))
     books = None
     if args.codebooks:
         from ..codebooks import from_file
@@ -35,8 +45,9 @@ def run_cli(args) -> dict:
     else:
         precisions = parse_precision_list(args.precision)
         run = run_kv_split if args.kv_split else run_ppl
-        out = run(lm, precisions, args.tokens, args.prefix, on_progress=progress, codebooks=books)
+        out = run(lm, precisions, args.tokens, args.prefix, on_progress=progress, codebooks=books, text=text)
         options = f"--precision {args.precision} --tokens {args.tokens} --prefix {args.prefix}"
+        options += f" --document {args.document}" if args.document else ""
         options, name = ("--kv-split " + options, "ppl_kv_split.json") if args.kv_split else (options, "ppl.json")
     if args.codebooks:
         options += f" --codebooks {args.codebooks}"
@@ -114,7 +125,8 @@ def _cell_interval(row: dict) -> str:
 def _ppl_text(out: dict) -> str:
     lo, hi = out["scored_positions"]
     lines = [
-        f"model: {out['model']}  perplexity of held-out tokens [{lo}, {hi}) (first {out['prefix']} stored exactly, "
+        f"model: {out['model']}  perplexity of {out.get('text', HELD_OUT_NAME)}, tokens [{lo}, {hi}) (first "
+        f"{out['prefix']} stored exactly, "
         f"then {out['chunk']} at a time through the cache)",
         f"{'precision':<20}{'ppl':>10}{'delta':>10}{'delta 95%':>20}{'logit KL':>11}{'bits/elem':>11}{'vs 16-bit':>11}",
     ]
