@@ -479,6 +479,29 @@ def run_exclusive(lm: LoadedModel, work: Callable[[], T], status=None) -> T | No
     return None
 
 
+def text_source(key: str, builtin: str, document_first: bool = False) -> dict | None:
+    """A "Text" radio between a bundled text (labelled `builtin`) and the session's current document, kept across
+    pages under `key`: the document when it is picked, else None. Without a document only the bundled text is
+    offered, and a caption says where to get one."""
+    doc = document()
+    sources = (["document", "builtin"] if document_first else ["builtin", "document"]) if doc else ["builtin"]
+    persist(key, sources[0])
+    if st.session_state[key] not in sources:
+        st.session_state[key] = sources[0]
+    picked = st.radio(
+        "Text",
+        sources,
+        key=key,
+        horizontal=True,
+        format_func=lambda s: (
+            f"Current document: {doc['name']} ({doc['tokens']:,} tokens)" if s == "document" else builtin
+        ),
+    )
+    if not doc:
+        st.caption("Choose or upload a document on the Chat page to use it here.")
+    return doc if picked == "document" else None
+
+
 def precision_picker(label: str, key: str, default: list[str], where=st, leave_out: tuple[str, ...] = ()) -> list[str]:
     """A multiselect of KV precisions that keeps its picks across pages (`persist`): the presets, the sidebar's
     precision, and any precision string typed into it (`knuq4vnuq2:o1`, `int4:g64:s4`), the CLI's grammar.

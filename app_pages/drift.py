@@ -27,22 +27,7 @@ st.caption(
     "(Jensen-Shannon divergence), and how far the next-token distribution moves (logit KL)."
 )
 
-doc = common.document()
-sources = ["document", "prose"] if doc else ["prose"]
-common.persist("drift_source", sources[0])
-if st.session_state["drift_source"] not in sources:
-    st.session_state["drift_source"] = sources[0]
-source = st.radio(
-    "Text",
-    sources,
-    key="drift_source",
-    horizontal=True,
-    format_func=lambda s: (
-        f"Current document: {doc['name']}" if s == "document" else "Bundled prose (Pride and Prejudice)"
-    ),
-)
-if not doc:
-    st.caption("Choose or upload a document on the Chat page to run on it.")
+doc = common.text_source("drift_source", "Bundled prose (Pride and Prejudice)", document_first=True)
 budget = max(lm.max_context - 64, 64)
 common.persist("drift_tokens", min(1024, budget))
 common.persist("drift_new_tokens", 16)
@@ -71,7 +56,7 @@ def prompt_now() -> tuple[list[int], int]:
     from kvdemo.documents import fit_to_context
     from kvdemo.texts import prose
 
-    text = doc["text"] if source == "document" and doc else prose()
+    text = doc["text"] if doc else prose()
     text, n, _ = fit_to_context(text, lm.tokenizer, tokens)
     return document_prompt(lm, text), n
 
@@ -97,7 +82,7 @@ if run:
             done_tokens = (out["prompt_tokens"] + out["new_tokens"]) * (len(specs) + 1)
             rates.record(lm, "drift", done_tokens, time.perf_counter() - start)
             bar.empty()
-            out["document"] = doc["name"] if source == "document" and doc else "Pride and Prejudice"
+            out["document"] = doc["name"] if doc else "Pride and Prejudice"
             out["document_tokens"] = n
             return out
 

@@ -25,24 +25,8 @@ st.caption(
     "precision's. The 95% intervals resample blocks of the text, so they say how far the figures carry to text like it."
 )
 
-doc = common.document()
-sources = ["held-out", "document"] if doc else ["held-out"]
-common.persist("ppl_source", sources[0])
-if st.session_state["ppl_source"] not in sources:
-    st.session_state["ppl_source"] = sources[0]
-source = st.radio(
-    "Text",
-    sources,
-    key="ppl_source",
-    horizontal=True,
-    format_func=lambda s: (
-        f"Current document: {doc['name']} ({doc['tokens']:,} tokens)" if s == "document" else ppl.HELD_OUT_NAME
-    ),
-)
-if not doc:
-    st.caption("Choose or upload a document on the Chat page to score it instead.")
-use_doc = source == "document" and doc is not None
-doc_ids = ppl.document_ids(lm, doc["text"]) if use_doc else None
+doc = common.text_source("ppl_source", ppl.HELD_OUT_NAME)
+doc_ids = ppl.document_ids(lm, doc["text"]) if doc else None
 available = ppl.longest_text(lm, None if doc_ids is None else len(doc_ids))
 c1, c2 = st.columns([1, 4])
 tokens = None  # None: this text is too short to score
@@ -79,7 +63,7 @@ if run:
     if not picked:
         status.error("pick at least one quantized precision")
     else:
-        name = doc["name"] if use_doc else ppl.HELD_OUT_NAME
+        name = doc["name"] if doc else ppl.HELD_OUT_NAME
         planned = len(picked) + 1
         st.session_state["ppl_partial"] = {"text": name, "tokens": tokens, "planned": planned, "rows": []}
 
@@ -91,7 +75,7 @@ if run:
             def progress(message: str) -> None:
                 bar.progress(len(rows) / planned, text=f"{len(rows)}/{planned} done; now {message}")
 
-            text = (name, doc_ids) if use_doc else None
+            text = (name, doc_ids) if doc else None
             out = ppl.run_ppl(lm, picked, tokens, prefix, on_progress=progress, on_row=rows.append, text=text)
             rates.record(lm, "ppl", planned_tokens, time.perf_counter() - start)
             return out
