@@ -72,11 +72,22 @@ if run:
             start = time.perf_counter()
             rows = st.session_state["ppl_partial"]["rows"]
 
+            now = {"what": "full precision", "shown": -1}
+
             def progress(message: str) -> None:
-                bar.progress(len(rows) / planned, text=f"{len(rows)}/{planned} done; now {message}")
+                now["what"], now["shown"] = message, -1
+                step(0.0)
+
+            def step(fraction: float) -> None:  # the bar moves by whole percents, not on every 16-token chunk
+                done = (len(rows) + fraction) / planned
+                if int(done * 100) != now["shown"]:
+                    now["shown"] = int(done * 100)
+                    bar.progress(done, text=f"{len(rows)}/{planned} done; now {now['what']} ({fraction:.0%})")
 
             text = (name, doc_ids) if doc else None
-            out = ppl.run_ppl(lm, picked, tokens, prefix, on_progress=progress, on_row=rows.append, text=text)
+            out = ppl.run_ppl(
+                lm, picked, tokens, prefix, on_progress=progress, on_row=rows.append, on_step=step, text=text
+            )
             rates.record(lm, "ppl", planned_tokens, time.perf_counter() - start)
             return out
 

@@ -83,14 +83,21 @@ def store_states(cache, states: Sequence[tuple[torch.Tensor, torch.Tensor]], res
 
 @torch.no_grad()
 def token_nll(
-    lm: LoadedModel, cache, first_logits: torch.Tensor, ids: Sequence[int], start: int, chunk: int, keep_every: int = 0
+    lm: LoadedModel,
+    cache,
+    first_logits: torch.Tensor,
+    ids: Sequence[int],
+    start: int,
+    chunk: int,
+    keep_every: int = 0,
+    on_step: Callable[[float], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Negative log-likelihood [len(ids) - start] of ids[start:], the cache holding ids[:start], and the
     log-softmax rows [ceil((len(ids) - start) / keep_every), V] of every `keep_every`-th prediction (None
     when 0): what `logit_kl` compares.
 
     ids[start] is scored by `first_logits`; then ids[start:-1] are fed `chunk` at a time, so each
-    prediction attends over what the cache stored.
+    prediction attends over what the cache stored. on_step: the fraction of them fed so far, after each chunk.
     """
     ids = list(ids)
     first = first_logits.float()[None]  # [1, V]: predicts ids[start]
@@ -104,6 +111,8 @@ def token_nll(
         if keep_every:
             rows = [i for i in range(len(piece)) if (s + 1 - start + i) % keep_every == 0]  # scored index % k
             kept.append(torch.log_softmax(logits[rows], -1))
+        if on_step is not None:
+            on_step((s + len(piece) - start) / (len(ids) - 1 - start))
     return torch.cat(nll), (torch.cat(kept) if keep_every else None)
 
 
@@ -122,10 +131,12 @@ def score_caches(
     residual: int | None = None,
     kl_every: int = 4,
     on_progress: Callable[[str], None] | None = None,
+    on_step: Callable[[float], None] | None = None,
 ):
     """Score `text` (at least max(lengths) tokens) through each cache of `caches`: (name, attention
     implementation, make_cache), full precision first (the KL reference). Yields (name, Scored), one
-    cache at a time, so a caller can measure each cache before the next is built."""
+    cache at a time, so a caller can measure each cache before the next is built. on_step: `token_nll`'s,
+    the fraction of the current cache's text fed."""
     if not 0 < prefix <= min(lengths) // 2:
         raise ValueError(f"every length must be at least 2 x the exact prefix ({prefix}), got {list(lengths)}")
     if not 1 <= chunk <= DECODE_MAX_QUERIES:
@@ -139,7 +150,7 @@ def score_caches(
         with runner.attention_impl(lm, impl):
             cache = make_cache()
             store_states(cache, states, residual)
-            nll, kept = token_nll(lm, cache, first, text, prefix, chunk, kl_every)
+            nll, kept = token_nll(lm, cache, first, text, prefix, chunk, kl_every, on_step)
         reference = kept if reference is None else reference
         kl = logit_kl(reference, kept)  # [n_kept]; zeros for the reference itself
         ppl, kls = {}, {}
@@ -162,6 +173,7 @@ def run_ppl(
     codebooks=None,
     text: tuple[str, Sequence[int]] | None = None,
     on_row: Callable[[dict], None] | None = None,
+    on_step: Callable[[float], None] | None = None,
 ) -> dict:
     """Perplexity at `tokens` tokens of a text at each KV precision (full precision always runs first, as the
     reference), with the cache's size after scoring on the 16-bit basis (kvdemo.sizes): {"model", "text",
@@ -169,7 +181,8 @@ def run_ppl(
     "bits_per_element", "ratio_vs_fp16", "live_bytes"}]}, and "codebooks" (what the nuq precisions' levels
     were fitted on) when there are any. text: (name, token ids) to score, default the held-out prose.
     codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own). on_row: each
-    result row as its cache finishes (its delta set, its intervals not yet: they need every cache)."""
+    result row as its cache finishes (its delta set, its intervals not yet: they need every cache). on_step: the
+    fraction of the current cache's text fed so far (`token_nll`)."""
     from .memory import fp16_cache_bytes
     from .sizes import SERVE_BITS, dtype_name, from_nbytes
     from .texts import held_out_ids
@@ -185,7 +198,8 @@ def run_ppl(
     results = []
     lo, hi = tokens // 2 - prefix, tokens - prefix  # scored indices of positions [tokens/2, tokens)
     blocks = {"size": BLOCK, "resamples": RESAMPLES, "seed": SEED, "nll": {}, "logit_kl": {}}
-    for name, scored in score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress):
+    scoring = score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress, on_step)
+    for name, scored in scoring:
         nll_index = torch.arange(len(scored.nll))
         blocks["nll"][name], blocks["nll_counts"] = block_means(scored.nll, nll_index, lo, hi)
         blocks["logit_kl"][name], blocks["kl_counts"] = block_means(scored.kl, nll_index[::kl_every], lo, hi)

@@ -266,8 +266,13 @@ def test_a_given_text_is_scored_named_and_reported_row_by_row(lm):
 
     ids = ppl.document_ids(lm, prose()[:4000])
     assert ids == lm.tokenizer(prose()[:4000], add_special_tokens=False)["input_ids"] and len(ids) >= 256
-    seen = []
-    out = ppl.run_ppl(lm, ["int2"], tokens=256, prefix=64, text=("notes.txt", ids), on_row=seen.append)
+    seen, steps = [], []
+    out = ppl.run_ppl(
+        lm, ["int2"], tokens=256, prefix=64, text=("notes.txt", ids), on_row=seen.append, on_step=steps.append
+    )
+    per_cache = -(-(256 - 1 - 64) // 16)  # 16-token chunks of the 191 fed tokens
+    assert len(steps) == 2 * per_cache and steps[per_cache - 1] == steps[-1] == 1.0
+    assert steps[:per_cache] == sorted(steps[:per_cache]) and 0 < steps[0] < 0.1
     with runner.attention_impl(lm, "sdpa"), torch.no_grad():
         logits = lm.model(input_ids=torch.tensor([ids[:256]])).logits[0].float()
     nll = F.cross_entropy(logits[127:255], torch.tensor(ids[128:256]))
