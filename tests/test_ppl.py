@@ -315,6 +315,11 @@ def test_cli_scores_a_document_and_says_so(lm, capsys, tmp_path):
     assert out["text"] == "chapter.md" and out["command"].endswith(f"--document {doc}")
     assert [r["precision"] for r in out["results"]] == ["full", "int4"]
     assert main(argv) == 0 and "perplexity of chapter.md, tokens [128, 256)" in capsys.readouterr().out
+    assert main([*argv, "--kv-split", "--json"]) == 0  # the split scores the same text
+    split = json.loads(capsys.readouterr().out)
+    assert split["text"] == "chapter.md" and split["splits"][0]["precision"] == "int4"
+    by_name = {r["precision"]: r for r in split["results"]}
+    assert by_name["full"]["ppl"] == out["results"][0]["ppl"] and by_name["int4"]["ppl"] == out["results"][1]["ppl"]
     assert main(["ppl", "--ablation", "--document", str(doc)]) == 2
     assert "--ablation scores the held-out prose" in capsys.readouterr().err
     assert main(["ppl", "--document", str(tmp_path / "missing.txt")]) == 2
