@@ -59,6 +59,10 @@ st.page_link(
 st.page_link(
     "app_pages/needle.py", label="Needle: find a hidden fact in long text, full vs quantized, by length and depth"
 )
+st.page_link(
+    "app_pages/perplexity.py",
+    label="Perplexity: what each precision costs in next-token prediction over held-out prose or your document",
+)
 st.page_link("app_pages/memory.py", label="Memory & headroom: measured bytes and how many users fit on a GPU")
 st.page_link("app_pages/drift.py", label="Attention drift: where quantization moves the attention, layer by head")
 
