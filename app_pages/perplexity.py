@@ -10,6 +10,7 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo import figures, ppl, rates
+from kvdemo.documents import token_ids
 
 lm = common.model()
 st.title("Perplexity")
@@ -26,7 +27,7 @@ st.caption(
 )
 
 doc = common.text_source("ppl_source", ppl.HELD_OUT_NAME)
-doc_ids = ppl.document_ids(lm, doc["text"]) if doc else None
+doc_ids = token_ids(doc["text"], lm.tokenizer) if doc else None
 available = ppl.longest_text(lm, None if doc_ids is None else len(doc_ids))
 c1, c2 = st.columns([1, 4])
 tokens = None  # None: this text is too short to score
@@ -117,7 +118,8 @@ if out is None:
 
 lo, hi = out["scored_positions"]
 st.subheader(f"{out.get('text', ppl.HELD_OUT_NAME)}: tokens {lo:,} to {hi:,} scored")
-st.dataframe(pd.DataFrame(ppl.result_rows(out["results"])), hide_index=True, key="ppl_table")
+table = pd.DataFrame(ppl.result_rows(out["results"]))
+st.dataframe(table, hide_index=True, key="ppl_table")
 st.caption(ppl.interval_note(out))
 if len(out["results"]) > 1:
     st.plotly_chart(figures.ppl_frontier_figure(out), key="ppl_frontier")
@@ -129,7 +131,7 @@ c1.download_button(
 )
 c2.download_button(
     "Download CSV",
-    pd.DataFrame(ppl.result_rows(out["results"])).to_csv(index=False),
+    table.to_csv(index=False),
     file_name="ppl.csv",
     mime="text/csv",
     key="ppl_csv",

@@ -74,8 +74,10 @@ def _document_ids(lm, tokens: int | None, path: str) -> tuple[list[int], str]:
 
 def document_ids(lm, tokens: int | None, name: str, text: str) -> tuple[list[int], str]:
     """(ids, label) of a document's text already in memory (the app's upload): its first `tokens` tokens."""
+    from .documents import token_ids
+
     _needs_tokenizer(lm)
-    ids = list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = token_ids(text, lm.tokenizer)
     want = min(default_tokens(lm), len(ids)) if tokens is None else int(tokens)
     if len(ids) < want:
         raise ValueError(f"{name} has {len(ids):,} tokens; {want:,} calibration tokens were asked for")

@@ -524,8 +524,13 @@ _PARAGRAPH = re.compile(r"\n\s*\n")
 _SENTENCE = re.compile(r"[.!?;:\u3002\uff01\uff1f][\"')\]\u201d\u2019]*(?=\s)|\n")
 
 
+def token_ids(text: str, tokenizer) -> list[int]:
+    """The token ids of `text` on its own: no special tokens, no chat template."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def count_tokens(text: str, tokenizer) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return len(token_ids(text, tokenizer))
 
 
 def fit_to_context(text: str, tokenizer, max_tokens: int) -> tuple[str, int, bool]:

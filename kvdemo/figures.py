@@ -272,16 +272,10 @@ def _bench_bars(report: dict, metric: str, keys: list, key_label: str, title: st
 def ablation_frontier_figure(report: dict) -> go.Figure:
     """An ablation report (`kvdemo.ppl.run_ablation`) as a frontier: logit KL vs full precision (log axis) against
     bits/element, one line per method through its 4-, 3- and 2-bit cells; lower left is better."""
-    from .ppl import interval_text
-
     fig = go.Figure()
     for col in report["columns"]:
         cells = [row["cells"][col] for row in report["rows"] if row["cells"][col] is not None]
-        hover = []
-        for r in cells:
-            ci = r.get("delta_vs_full_ci95")
-            interval = "" if ci is None else f" (95%: {interval_text(ci)})"
-            hover.append(f"{r['precision']}<br>ppl delta {r['delta_vs_full']:+.3f}{interval}")
+        hover = [_delta_hover(r) for r in cells]
         fig.add_trace(
             go.Scatter(
                 x=[r["bits_per_element"] for r in cells],
@@ -303,19 +297,23 @@ def ablation_frontier_figure(report: dict) -> go.Figure:
     return fig
 
 
+def _delta_hover(row: dict) -> str:
+    """A `run_ppl` result row's precision and perplexity delta, with its 95% interval when the row has one."""
+    from .ppl import interval_text
+
+    ci = row.get("delta_vs_full_ci95")
+    interval = "" if ci is None else f" (95%: {interval_text(ci)})"
+    return f"{row['precision']}<br>ppl delta {row['delta_vs_full']:+.3f}{interval}"
+
+
 def ppl_frontier_figure(report: dict) -> go.Figure:
     """A `kvdemo.ppl.run_ppl` report's quantized precisions: logit KL vs full precision (log axis, 95% interval as
     error bars where the report has it) against bits per element, one labelled point each; lower left is better."""
-    from .ppl import HELD_OUT_NAME, interval_text
+    from .ppl import HELD_OUT_NAME
 
     rows = [r for r in report["results"] if r["precision"] != "full"]
     low = [r["logit_kl"] - r["logit_kl_ci95"][0] if r.get("logit_kl_ci95") else 0.0 for r in rows]
     high = [r["logit_kl_ci95"][1] - r["logit_kl"] if r.get("logit_kl_ci95") else 0.0 for r in rows]
-    hover = []
-    for r in rows:
-        ci = r.get("delta_vs_full_ci95")
-        interval = "" if ci is None else f" (95%: {interval_text(ci)})"
-        hover.append(f"{r['precision']}<br>perplexity delta {r['delta_vs_full']:+.3f}{interval}")
     fig = go.Figure(
         go.Scatter(
             x=[r["bits_per_element"] for r in rows],
@@ -324,7 +322,7 @@ def ppl_frontier_figure(report: dict) -> go.Figure:
             mode="markers+text",
             text=[r["precision"] for r in rows],
             textposition="top center",
-            customdata=hover,
+            customdata=[_delta_hover(r) for r in rows],
             hovertemplate="%{customdata}<br>%{x:.2f} bits/element, KL %{y:.3g}<extra></extra>",
             showlegend=False,
         )

@@ -206,11 +206,12 @@ def run_ppl(
         stored = scored.cache.get_seq_length()
         size = from_nbytes(scored.cache.nbytes(), lm.dtype)
         fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, stored)
+        perplexity = round(scored.ppl[str(tokens)], 4)
         results.append(
             {
                 "precision": name,
-                "ppl": round(scored.ppl[str(tokens)], 4),
-                "delta_vs_full": None,
+                "ppl": perplexity,
+                "delta_vs_full": round(perplexity - (results[0]["ppl"] if results else perplexity), 4),
                 "logit_kl": float(f"{scored.logit_kl[str(tokens)]:.4g}"),
                 "bits_per_element": round(SERVE_BITS * size.at16 / fp16, 3),
                 "ratio_vs_fp16": round(fp16 / size.at16, 4),
@@ -218,7 +219,6 @@ def run_ppl(
                 "stored_tokens": stored,
             }
         )
-        results[-1]["delta_vs_full"] = round(results[-1]["ppl"] - results[0]["ppl"], 4)
         if on_row is not None:
             on_row(dict(results[-1]))
     drawn = resampled_figures(blocks)
@@ -263,12 +263,6 @@ def work_tokens(tokens: int, prefix: int, quantized: int) -> int:
     """Tokens of model work in one run (for time hints, kvdemo.rates): the exact prefix once, then the rest
     decoded through full precision and each of `quantized` caches."""
     return prefix + (tokens - prefix) * (quantized + 1)
-
-
-def document_ids(lm: LoadedModel, text: str) -> list[int]:
-    """A document's token ids as run_ppl scores them: the text alone, no special tokens and no chat template
-    (counted as kvdemo.documents counts a document)."""
-    return list(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def result_rows(results: Sequence[dict]) -> list[dict]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvdemo import ppl, runner
 from kvdemo.cli import main
+from kvdemo.documents import token_ids
 from kvdemo.layout import Layout, region_bytes
 from kvdemo.memory import fp16_cache_bytes
 from kvdemo.precision import parse_precision
@@ -264,7 +265,7 @@ def test_a_given_text_is_scored_named_and_reported_row_by_row(lm):
     set, intervals not yet), and a text shorter than --tokens is refused with both counts."""
     from kvdemo.texts import prose
 
-    ids = ppl.document_ids(lm, prose()[:4000])
+    ids = token_ids(prose()[:4000], lm.tokenizer)
     assert ids == lm.tokenizer(prose()[:4000], add_special_tokens=False)["input_ids"] and len(ids) >= 256
     seen, steps = [], []
     out = ppl.run_ppl(

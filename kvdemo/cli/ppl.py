@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..ppl import HELD_OUT_NAME, document_ids, run_ablation, run_kv_split, run_ppl, split_rows, split_sentence
+from ..ppl import HELD_OUT_NAME, run_ablation, run_kv_split, run_ppl, split_rows, split_sentence
 from ..precision import parse_precision_list
 
 # the memory and decode-speed rows of the ablation report (issue 17's acceptance)
@@ -28,10 +28,10 @@ def run_cli(args) -> dict:
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     text = None
     if args.document:
-        from ..documents import extract_file
+        from ..documents import extract_file, token_ids
 
         doc = extract_file(Path(args.document))
-        text = (doc.name, document_ids(lm, doc.text))
+        text = (doc.name, token_ids(doc.text, lm.tokenizer))
     books = None
     if args.codebooks:
         from ..codebooks import from_file
