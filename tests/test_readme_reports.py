@@ -339,7 +339,7 @@ def test_passkey_repeats_table_verdict_and_differences_are_the_repeats_report():
     assert report["summary"] == needle.summarize(report["rows"])  # the summary follows from the rows
     summary = {s["precision"]: s for s in report["summary"]}
     assert needle.found_line(needle.found_check(summary["nuq2:o1"], 13, 15)) in README
-    text = _section("**The passkey grid, ten times.**", "## Supported model families")
+    text = _section("**The passkey grid, ten times.**", "**Where retrieval breaks: the keys.**")
     stated = _paired_lines(text)
     assert len(stated) >= 4
     for a, b, value in stated:
@@ -452,3 +452,61 @@ def test_kv_split_prose_figures_are_its_report():
     assert f"both parts at int8 cost a KL of {floor:.2e} at most" in README
     verdicts = {c["precision"]: c["verdict"] for s in report["splits"] for c in s["comparisons"]}
     assert verdicts["knuq4vnuq2:o1"] == verdicts["k4v2"] == "higher"  # "both settle worse"
+
+
+def test_passkey_kv_split_table_and_lines_are_its_report():
+    """2-bit keys alone and 2-bit values alone on the ten passkey grids: the table, the bar lines and the
+    paired lines against nuq2:o1 (its rows from the ten-grid report: the same needles, seed by seed)."""
+    report, both = _report("needle_passkey_kv_split.json"), _report("needle_passkey_repeats.json")
+    assert report["provenance"]["command"] in README
+    table = repeats_markdown(report)
+    assert table in README, "README's passkey key/value table differs from its report"
+    _says_date(README.index(table), report["provenance"]["date"])
+    assert report["summary"] == needle.summarize(report["rows"])
+    needles = [(r["length"], r["depth"], r["seed"], r["expected"]) for r in report["rows"] if r["precision"] == "full"]
+    assert needles == [
+        (r["length"], r["depth"], r["seed"], r["expected"]) for r in both["rows"] if r["precision"] == "full"
+    ]
+    summary = {s["precision"]: s for s in report["summary"]}
+    text = _section("**Where retrieval breaks: the keys.**", "**Is the key code the limit?")
+    for precision in ("knuq2v8:o1", "k8vnuq2:o1"):
+        assert needle.found_line(needle.found_check(summary[precision], 13, 15)) in text
+    rows = [r for r in both["rows"] if r["precision"] != "full"] + report["rows"]
+    stated = _paired_lines(text)
+    assert len(stated) >= 2
+    for a, b, value in stated:
+        assert needle.difference_line(needle.paired_difference(rows, a, b, value)) in text
+
+
+def test_scalar_floor_tables_and_figures_are_its_report():
+    """bench/scalar_floor.py's oracle key code: both tables as its `markdown` prints them, the command and
+    date, the passkey pairing README states, and its knuq2v8:o1 runs equal to the key/value split's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import scalar_floor
+
+    report, split = _report("scalar_floor.json"), _report("needle_passkey_kv_split.json")
+    first, second = scalar_floor.markdown(report).split("\n\n")
+    assert first in README and second in README, "README's scalar floor tables differ from the report"
+    assert report["command"] in README
+    _says_date(README.index(first), report["date"])
+    text = _section("**Is the key code the limit?**", "## Supported model families")
+    pair = report["passkey"]["oracle_vs_nuq2"]
+    low, high = pair["low"], pair["high"]
+    assert f"{pair['difference']:+.1%} (95% {low:+.1%}..{high:+.1%}, over {pair['runs']} runs)" in text
+    g = {r["keys"]: r["relative_mse"] for r in report["gaussian"]["rows"]}
+    for value in (g["int4"], g["oracle"], g["nuq3:o1"], report["gaussian"]["distortion_rate_3_bits"]):
+        assert f"{value:.4f}" in text
+    timing = {"prefill_s", "seconds"}
+    mine = [
+        {k: v for k, v in r.items() if k not in timing}
+        for r in report["passkey"]["rows"]
+        if r["precision"] == "knuq2v8:o1"
+    ]
+    theirs = [
+        {k: v for k, v in r.items() if k not in timing}
+        for r in split["rows"]
+        if r["precision"] == "knuq2v8:o1" and r["seed"] < report["passkey"]["repeats"]
+    ]
+    assert mine == theirs
