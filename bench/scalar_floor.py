@@ -9,18 +9,22 @@ exact. No cache could store that for free (six fp16 levels per channel per block
 more), and no calibration can know the block it will meet: it is what any scalar 3-bit key code with a
 codebook per layer, per head or per block could reach at best on this text, by squared error.
 
-Two measures, keys only, on the held-out prose the perplexity is scored on:
-- key error: the squared error of every key element, weighted by its Fisher information from one backward
-  pass (the loss's sensitivity, as calibration weighs it), and plain, relative to each block's variance;
-- perplexity and logit KL at `--tokens` with keys alone quantized (values at int8), the ppl protocol of
+Three measures, keys only (values at int8):
+- key error on the held-out prose the perplexity is scored on: the squared error of every key element,
+  weighted by its Fisher information from one backward pass (the loss's sensitivity, as calibration weighs
+  it), and plain, relative to each block's variance;
+- perplexity and logit KL at `--tokens` of that prose with keys alone quantized, the ppl protocol of
   `kvdemo.ppl`. The oracle's keys ride in an int8 cache: each block's oracle values are what int8 then
-  stores (int8 keys alone cost a logit KL of about 2e-5, a thousandth of what is measured here).
+  stores (int8 keys alone cost a logit KL of about 2e-5, a thousandth of what is measured here);
+- issue 17's passkey grid (`--passkey-repeats` seeds) with 2-bit keys alone: nuq2:o1's keys beside the
+  oracle's 4 free levels per block.
 
 And one reference without the model: the same codes on Gaussian channels, beside the distortion-rate
 function of a Gaussian source, the least squared error any code of 3 bits per element can have
 (2^-6 of the variance, vector codes included).
 
-    python bench/scalar_floor.py --out assets/reports/scalar_floor.json    # ~10 min on 2 CPU cores
+    python bench/scalar_floor.py --passkey-repeats 5 --out assets/reports/scalar_floor.json
+    # 46 min on 2 CPU cores (2026-12-06)
 """
 
 from __future__ import annotations
