@@ -11,7 +11,8 @@ from app_pages import common
 from kvdemo.chat import ChatError, ChatSession, Turn, divergence_split
 from kvdemo.lanes import Answer
 from kvdemo.prefill_modes import MODE_HELP
-from kvdemo.runner import PREFILL_MODES, Cancelled
+from kvdemo.progress import Cancelled
+from kvdemo.runner import PREFILL_MODES
 from kvdemo.sizes import cache_caption
 
 STOPPING_WAIT_S = 60  # a stopped answer ends at its next token (a prefill chunk at the most)

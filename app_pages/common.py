@@ -33,6 +33,7 @@ from kvdemo.precision import (
     parse_precision,
     spec_from_options,
 )
+from kvdemo.progress import Progress, ProgressFn
 
 MODEL_KINDS = {"embedded": "Embedded (SmolLM2-135M)", "hf": "Hugging Face id", "folder": "Local folder"}
 DEVICES = ("auto", "cpu", "cuda")
@@ -477,6 +478,68 @@ def run_exclusive(lm: LoadedModel, work: Callable[[], T], status=None) -> T | No
     except ValueError as err:  # ModelLoadError, DocumentError, HeadroomError, bad precision strings
         status.error(str(err))
     return None
+
+
+class LongRun:
+    """A page's long run with Run and Cancel: a progress bar fed by `kvdemo.progress.Progress`, and the rows
+    finished before a Cancel kept beside the last complete result, never in its place.
+
+    Streamlit stops a running script when any button is clicked; the rows the run reported so far are already
+    in the session state, so the rerun that follows a Cancel click turns them into `cancelled()`:
+    ``{"meta": ..., "rows": [...], "seconds": s, "stopped": "cancelled"}``. One protocol for every page:
+
+        job = LongRun("needle", "Run grid", "Stops the grid; the cells finished so far are kept")
+        if job.buttons():
+            out = job.run(lm, lambda on_progress: run_grid(..., on_progress=on_progress), meta)
+    """
+
+    def __init__(self, key: str, run_label: str, cancel_help: str):
+        self.key, self.run_label, self.cancel_help = key, run_label, cancel_help
+        self._keep_cancelled_rows()
+
+    def _keep_cancelled_rows(self) -> None:
+        partial = st.session_state.get(f"{self.key}_partial")
+        if st.session_state.get(f"{self.key}_cancel") and partial and partial["rows"]:
+            st.session_state[f"{self.key}_cancelled"] = partial | {"stopped": "cancelled"}
+        if st.session_state.get(f"{self.key}_cancel"):
+            st.session_state.pop(f"{self.key}_partial", None)
+
+    def buttons(self, where=st) -> bool:
+        """Run and Cancel side by side; True when Run was clicked."""
+        c1, c2 = where.columns([1, 5])
+        run = c1.button(self.run_label, key=f"{self.key}_run", type="primary")
+        c2.button("Cancel", key=f"{self.key}_cancel", help=self.cancel_help)
+        return run
+
+    def cancelled(self) -> dict | None:
+        """The rows a cancelled run kept, with its meta and seconds (None when the last run was not cancelled)."""
+        return st.session_state.get(f"{self.key}_cancelled")
+
+    def run(self, lm: LoadedModel, work: Callable[[ProgressFn], T], meta: dict | None = None, status=None) -> T | None:
+        """`work(on_progress)` under the model's lock (`run_exclusive`), with a progress bar showing
+        `Progress.text()` (done, total, what runs, time so far and left). Each `Progress.row` is kept for a
+        Cancel (rows with a `to_json` are kept as their JSON). A finished run drops the cancelled rows of the
+        one before: the complete result supersedes them."""
+        status = status if status is not None else st.empty()
+        bar_slot = st.empty()
+        partial = {"meta": dict(meta or {}), "rows": [], "seconds": 0.0}
+        st.session_state[f"{self.key}_partial"] = partial
+        bar = bar_slot.progress(0.0, text="starting...")
+
+        def on_progress(p: Progress) -> None:
+            if p.row is not None:
+                partial["rows"].append(p.row.to_json() if hasattr(p.row, "to_json") else p.row)
+            partial["seconds"] = round(p.elapsed_s, 2)
+            bar.progress(p.fraction, text=p.text())
+
+        try:
+            out = run_exclusive(lm, lambda: work(on_progress), status)
+        finally:
+            bar_slot.empty()
+            st.session_state.pop(f"{self.key}_partial", None)
+        if out is not None:
+            st.session_state.pop(f"{self.key}_cancelled", None)
+        return out
 
 
 def text_source(key: str, builtin: str, document_first: bool = False) -> dict | None:

@@ -9,8 +9,14 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures, prefill_modes, rates, runner
+from kvdemo import prefill_modes, progress, runner
 from kvdemo.drift import document_prompt, run_drift, unquantized
+from kvdemo.figures.drift import (
+    drift_js_heatmap_figure,
+    drift_layer_figure,
+    drift_logit_kl_figure,
+    drift_position_figure,
+)
 from kvdemo.precision import parse_precision_list
 from kvdemo.runner import PREFILL_MODES
 
@@ -48,7 +54,7 @@ prefill_mode = st.radio(
 run = st.button("Run drift", key="drift_run", type="primary")
 QUESTION_TOKENS = 32  # the question and chat template around the document (a rough count, for the hint)
 work_tokens = (tokens + QUESTION_TOKENS + new_tokens) * (len(picked) + 1)  # full precision + each picked
-st.caption(rates.hint(lm, "drift", work_tokens, f"{tokens:,} tokens at {len(picked) + 1} precisions"))
+st.caption(progress.hint(lm, "drift", work_tokens, f"{tokens:,} tokens at {len(picked) + 1} precisions"))
 
 
 def prompt_now() -> tuple[list[int], int]:
@@ -73,14 +79,14 @@ if run:
             bar = st.progress(0.0, text="full precision")
             done = [0]
 
-            def progress(label: str) -> None:
+            def show_progress(label: str) -> None:
                 bar.progress(done[0] / (len(specs) + 1), text=f"running {label}")
                 done[0] += 1
 
             start = time.perf_counter()
-            out = run_drift(lm, prompt, specs, new_tokens, on_progress=progress, prefill_mode=prefill_mode)
+            out = run_drift(lm, prompt, specs, new_tokens, on_progress=show_progress, prefill_mode=prefill_mode)
             done_tokens = (out["prompt_tokens"] + out["new_tokens"]) * (len(specs) + 1)
-            rates.record(lm, "drift", done_tokens, time.perf_counter() - start)
+            progress.record(lm, "drift", done_tokens, time.perf_counter() - start)
             bar.empty()
             out["document"] = doc["name"] if doc else "Pride and Prejudice"
             out["document_tokens"] = n
@@ -149,11 +155,11 @@ st.dataframe(table, hide_index=True, key="drift_table")
 labels = [r["precision"] for r in out["results"]]
 chosen = st.selectbox("Heatmap for", labels, key="drift_heatmap_precision")
 result = out["results"][labels.index(chosen)]
-st.plotly_chart(figures.drift_js_heatmap_figure(result), key="drift_heatmap")
+st.plotly_chart(drift_js_heatmap_figure(result), key="drift_heatmap")
 c1, c2 = st.columns(2)
-c1.plotly_chart(figures.drift_position_figure(out), key="drift_position")
-c2.plotly_chart(figures.drift_logit_kl_figure(out), key="drift_logit_kl")
-st.plotly_chart(figures.drift_layer_figure(out), key="drift_layers")
+c1.plotly_chart(drift_position_figure(out), key="drift_position")
+c2.plotly_chart(drift_logit_kl_figure(out), key="drift_logit_kl")
+st.plotly_chart(drift_layer_figure(out), key="drift_layers")
 st.download_button(
     "Download JSON", json.dumps(out, indent=2), file_name="drift.json", mime="application/json", key="drift_json"
 )

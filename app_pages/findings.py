@@ -13,8 +13,10 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures, findings, ppl, report
-from kvdemo.memory import gpu_presets, model_configs
+from kvdemo import findings, ppl, report
+from kvdemo.configs import gpu_presets, model_configs
+from kvdemo.figures.findings import findings_figures
+from kvdemo.figures.ppl import ablation_frontier_figure
 from kvdemo.production import ENGINES
 
 VERDICT_ICONS = {True: ":material/check_circle:", False: ":material/cancel:", None: ":material/help:"}
@@ -141,7 +143,7 @@ for c in claims:
     v = c["verdict"]
     st.markdown(f"### :{VERDICT_COLORS[v['holds']]}[{v['word'].capitalize()}]")
     st.markdown(v["text"])
-    for i, fig in enumerate(figures.findings_figures(view, c["id"])):
+    for i, fig in enumerate(findings_figures(view, c["id"])):
         st.plotly_chart(fig, key=f"findings_fig_{c['id']}_{i}")
     if c["id"] == "tradeoff" and c["data"]["tradeoff"].get("production"):
         prod = c["data"]["tradeoff"]["production"]
@@ -169,7 +171,7 @@ if ablation is not None:
         "is judged twice: on this text's figures, and over 2,000 resamples of the text in blocks of 64 tokens. "
         "'Not settled by this text' means the difference could go either way on text like it."
     )
-    st.plotly_chart(figures.ablation_frontier_figure(ablation), key="findings_ablation_fig")
+    st.plotly_chart(ablation_frontier_figure(ablation), key="findings_ablation_fig")
     st.dataframe(pd.DataFrame(ppl.ablation_claim_rows(ablation)), hide_index=True, key="findings_ablation_claims")
     st.markdown("What the formats cost: the live cache at 4,096 tokens (to the byte) and decode speed, one run.")
     st.dataframe(pd.DataFrame(ppl.ablation_cost_rows(ablation)), hide_index=True, key="findings_ablation_costs")

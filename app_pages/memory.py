@@ -1,7 +1,7 @@
 """Memory & headroom: live cache bytes of the loaded model next to the formula, and how many sequences
 fit on a GPU at each KV precision (`kvdemo.memory.headroom`), with the nearest production settings
 (`kvdemo.production`), the count measured with real caches in a budget on this machine
-(`kvdemo.scale.measure_headroom`) and, when present, the benchmark report (reports/bench.json)."""
+(`kvdemo.measured.measure_headroom`) and, when present, the benchmark report (reports/bench.json)."""
 
 import json
 from pathlib import Path
@@ -11,17 +11,20 @@ import streamlit as st
 import torch
 
 from app_pages import common
-from kvdemo import bench, figures, sizes
-from kvdemo.memory import (
-    WEIGHT_BITS,
-    compare_measured,
-    config_from_model,
-    get_gpu,
-    get_model_config,
-    gpu_presets,
-    headroom,
-    model_configs,
+from kvdemo import bench, sizes
+from kvdemo.configs import WEIGHT_BITS, get_gpu, get_model_config, gpu_presets, model_configs
+from kvdemo.figures.bench import bench_figures
+from kvdemo.figures.memory import (
+    headroom_batch_speed_figure,
+    headroom_concurrency_figure,
+    headroom_measured_figure,
+    headroom_memory_figure,
+    headroom_split_figure,
+    headroom_stacking_figure,
 )
+from kvdemo.measured import compare_measured
+from kvdemo.memory import headroom
+from kvdemo.models import config_from_model
 from kvdemo.precision import parse_precision_list
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,11 +123,11 @@ if out is not None:
         )
     st.dataframe(pd.DataFrame(rows), hide_index=True, key="hr_table")
     c1, c2 = st.columns(2)
-    c1.plotly_chart(figures.headroom_concurrency_figure(out), key="hr_concurrency")
-    c2.plotly_chart(figures.headroom_memory_figure(out), key="hr_curve")
+    c1.plotly_chart(headroom_concurrency_figure(out), key="hr_concurrency")
+    c2.plotly_chart(headroom_memory_figure(out), key="hr_curve")
     c1, c2 = st.columns(2)
-    c1.plotly_chart(figures.headroom_split_figure(out), key="hr_split")
-    c2.plotly_chart(figures.headroom_stacking_figure(out), key="hr_stacking")
+    c1.plotly_chart(headroom_split_figure(out), key="hr_split")
+    c2.plotly_chart(headroom_stacking_figure(out), key="hr_stacking")
     st.download_button(
         "Download JSON", json.dumps(out, indent=2, default=str), "headroom.json", "application/json", key="hr_json"
     )
@@ -200,7 +203,7 @@ st.subheader("Measured on this machine: sequences in a memory budget")
 st.caption(
     "Real caches, not the formula: sequences of the chosen context are admitted while the weights plus every "
     "admitted cache's allocated bytes fit the budget, each at its fullest point (residual window full); then "
-    "batches of them decode together for tokens/s (`kvdemo.scale.measure_headroom`). The small random-weight "
+    "batches of them decode together for tokens/s (`kvdemo.measured.measure_headroom`). The small random-weight "
     "model has a Llama layout (memory and speed do not depend on the weights' values)."
 )
 SCALE_MODELS = {"random": "Small random Llama-style model (2 layers)", "loaded": f"Loaded model ({lm.name})"}
@@ -215,13 +218,13 @@ hm_specs = common.precision_picker("KV precisions", "hm_precisions", ["full", "i
 
 @st.cache_resource(show_spinner=False)
 def _scale_model():
-    from kvdemo.scale import load_scale_model
+    from kvdemo.measured import load_scale_model
 
     return load_scale_model("random")
 
 
 if st.button("Measure headroom", key="hm_run", type="primary"):
-    from kvdemo.scale import measure_headroom
+    from kvdemo.measured import measure_headroom
 
     target = lm if hm_model == "loaded" else _scale_model()
     budget_bytes = round(hm_budget * 1e9)
@@ -267,8 +270,8 @@ if hm is not None:
         key="hm_table",
     )
     c1, c2 = st.columns(2)
-    c1.plotly_chart(figures.headroom_measured_figure(hm["results"]), key="hm_measured")
-    c2.plotly_chart(figures.headroom_batch_speed_figure(hm["results"]), key="hm_speed")
+    c1.plotly_chart(headroom_measured_figure(hm["results"]), key="hm_measured")
+    c2.plotly_chart(headroom_batch_speed_figure(hm["results"]), key="hm_speed")
 
 # --- the benchmark report ------------------------------------------------------------------------
 st.subheader("Benchmark: kvdemo vs transformers' QuantizedCache")
@@ -286,7 +289,7 @@ else:
             "Run `python -m kvdemo bench` to measure this machine."
         )
         st.markdown(bench.markdown_table(report))
-        for i, fig in enumerate(figures.bench_figures(report)):
+        for i, fig in enumerate(bench_figures(report)):
             st.plotly_chart(fig, key=f"bench_fig_{i}")
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:  # another kvdemo version
         st.warning(f"The report ({source}) has an unexpected layout ({type(err).__name__}: {err}); raw content below.")

@@ -11,7 +11,8 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures, prefill_modes, rates, runner
+from kvdemo import prefill_modes, progress, runner
+from kvdemo.figures.needle import FULL_MISSED, needle_difference_figure, needle_heatmap_figure, needle_logprob_figure
 from kvdemo.needle import (
     CSV_COLUMNS,
     KINDS,
@@ -109,7 +110,7 @@ try:
         * len(parse_numbers(st.session_state["needle_depths"], "depths", float))
         * int(st.session_state["needle_repeats"])
     )
-    st.caption(rates.hint(lm, "needle", planned * len(set(["full", *picked])), "this grid"))
+    st.caption(progress.hint(lm, "needle", planned * len(set(["full", *picked])), "this grid"))
 except NeedleError:
     pass
 
@@ -156,7 +157,7 @@ if run:
             bar = bar_slot.progress(0.0, text="starting...")
             start = time.perf_counter()
 
-            def progress(done: int, total: int, row) -> None:
+            def show_progress(done: int, total: int, row) -> None:
                 partial = st.session_state["needle_partial"]
                 partial["rows"].append(row.to_dict())
                 partial["seconds"] = time.perf_counter() - start  # what a Cancel keeps
@@ -178,10 +179,10 @@ if run:
                 answer=st.session_state["needle_answer"] if custom else "",
                 seed=meta["seed"],
                 repeats=meta["repeats"],
-                on_progress=progress,
+                on_progress=show_progress,
                 prefill_mode=prefill_mode,
             )
-            rates.record(lm, "needle", sum(r.prompt_tokens for r in result.rows), result.seconds)
+            progress.record(lm, "needle", sum(r.prompt_tokens for r in result.rows), result.seconds)
             return result.to_dict()
 
         try:
@@ -203,7 +204,7 @@ def show(out: dict, key: str = "needle") -> None:
     if missed:
         runs = "cells" if out.get("repeats", 1) == 1 else "runs"
         st.warning(
-            f'Full precision itself missed {missed} of {len(full_runs)} {runs} (marked "{figures.FULL_MISSED}"): '
+            f'Full precision itself missed {missed} of {len(full_runs)} {runs} (marked "{FULL_MISSED}"): '
             "there the model fails without any quantization, so a quantized miss says nothing; compare "
             "log p(true answer) instead, or load a stronger model (sidebar).",
             icon=":material/info:",
@@ -215,11 +216,11 @@ def show(out: dict, key: str = "needle") -> None:
     if out.get("repeats", 1) > 1:  # found rates against full precision, paired on the same needles
         for d in differences_from_full(out["rows"]):
             st.caption(difference_line(d))
-    st.plotly_chart(figures.needle_heatmap_figure(out), key=f"{key}_heatmap")
+    st.plotly_chart(needle_heatmap_figure(out), key=f"{key}_heatmap")
     precisions = list(dict.fromkeys(r["precision"] for r in out["rows"]))
     if "full" in precisions and len(precisions) > 1:
-        st.plotly_chart(figures.needle_difference_figure(out), key=f"{key}_difference")
-    st.plotly_chart(figures.needle_logprob_figure(out), key=f"{key}_logprob")
+        st.plotly_chart(needle_difference_figure(out), key=f"{key}_difference")
+    st.plotly_chart(needle_logprob_figure(out), key=f"{key}_logprob")
     st.markdown("**Answers**")
     columns = ["length", "depth", "precision", "correct", "answer", "expected", "answer_logprob", "depth_actual"]
     columns += ["prompt_tokens"] + (["seed"] if out.get("repeats", 1) > 1 else [])

@@ -9,8 +9,9 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import figures, ppl, rates
+from kvdemo import ppl, progress
 from kvdemo.documents import token_ids
+from kvdemo.figures.ppl import ppl_frontier_figure
 
 lm = common.model()
 st.title("Perplexity")
@@ -51,7 +52,7 @@ if tokens is not None:
     prefix = ppl.default_prefix(tokens)
     planned_tokens = ppl.work_tokens(tokens, prefix, len(picked))
     what = f"{tokens:,} tokens at {len(picked) + 1} precisions ({prefix:,} stored exactly, {tokens - prefix:,} decoded)"
-    st.caption(rates.hint(lm, "ppl", planned_tokens, what))
+    st.caption(progress.hint(lm, "ppl", planned_tokens, what))
 
 partial = st.session_state.get("ppl_partial")
 if st.session_state.get("ppl_cancel") and partial and partial["rows"]:  # a run interrupted by Cancel
@@ -75,7 +76,7 @@ if run:
 
             now = {"what": "full precision", "shown": -1}
 
-            def progress(message: str) -> None:
+            def show_progress(message: str) -> None:
                 now["what"], now["shown"] = message, -1
                 step(0.0)
 
@@ -87,9 +88,9 @@ if run:
 
             text = (name, doc_ids) if doc else None
             out = ppl.run_ppl(
-                lm, picked, tokens, prefix, on_progress=progress, on_row=rows.append, on_step=step, text=text
+                lm, picked, tokens, prefix, on_progress=show_progress, on_row=rows.append, on_step=step, text=text
             )
-            rates.record(lm, "ppl", planned_tokens, time.perf_counter() - start)
+            progress.record(lm, "ppl", planned_tokens, time.perf_counter() - start)
             return out
 
         try:
@@ -122,7 +123,7 @@ table = pd.DataFrame(ppl.result_rows(out["results"]))
 st.dataframe(table, hide_index=True, key="ppl_table")
 st.caption(ppl.interval_note(out))
 if len(out["results"]) > 1:
-    st.plotly_chart(figures.ppl_frontier_figure(out), key="ppl_frontier")
+    st.plotly_chart(ppl_frontier_figure(out), key="ppl_frontier")
 if "codebooks" in out:
     st.caption(f"nuq levels: {out['codebooks']}")
 c1, c2 = st.columns(2)

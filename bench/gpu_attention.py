@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", default="auto", help="launch-setting sweep: auto (full runs), on, off")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="decode rows past this are skipped")
     p.add_argument("--sections", default=",".join(SECTIONS), help="which sections run (always in the order above)")
-    p.add_argument("--long-model", default=None, help="assets/model_configs name (smoke: 'scale', kvdemo.scale's)")
+    p.add_argument("--long-model", default=None, help="assets/model_configs name (smoke: 'scale', kvdemo.measured's)")
     p.add_argument("--long-context", type=int, default=None, help="tokens of the context rows, default 131072")
     p.add_argument("--long-precisions", default="int4,full", help="precisions of the context rows")
     p.add_argument("--long-max-context", type=int, default=None, help="tokens of the int4 max row, default 1M")
@@ -479,10 +479,10 @@ def bench_e2e(device: torch.device, args) -> list[dict]:
 
 
 def long_shape(args, layers: int | None = None) -> dict:
-    """The long rows' model shapes (a dict for `random_model`): `--long-model` (smoke: kvdemo.scale's small
+    """The long rows' model shapes (a dict for `random_model`): `--long-model` (smoke: kvdemo.measured's small
     model), with only its first `layers` layers when given (the max-context row)."""
-    from kvdemo.memory import MODEL_CONFIG_DIR, get_model_config
-    from kvdemo.scale import SCALE_MODEL
+    from kvdemo.configs import MODEL_CONFIG_DIR, get_model_config
+    from kvdemo.measured import SCALE_MODEL
 
     if args.long_model == "scale":
         shape = dict(SCALE_MODEL)
@@ -514,9 +514,9 @@ def long_row(job: dict, lm) -> dict:
     query tiles or the streamed reference), and the formula's cache bytes beside the measured ones."""
     from kvdemo import attention, runner
     from kvdemo.layout import Layout, bytes_per_token, region_bytes
+    from kvdemo.measured import measure_prefill
     from kvdemo.precision import parse_precision
     from kvdemo.quant import reference
-    from kvdemo.scale import measure_prefill
 
     spec = parse_precision(job["precision"])
     counts = ("long_past_calls", "triton_calls", "reference_streamed_calls", "reference_calls")
@@ -647,8 +647,8 @@ class LongWorker:
         env = {k: v for k, v in os.environ.items() if k != "KVDEMO_BACKEND"}
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        if not torch.cuda.is_available():  # peak = VmHWM: freed buffers must leave the heap (see kvdemo.scale)
-            from kvdemo.scale import MALLOC_ENV
+        if not torch.cuda.is_available():  # peak = VmHWM: freed buffers must leave the heap (see kvdemo.measured)
+            from kvdemo.measured import MALLOC_ENV
 
             env |= MALLOC_ENV
         cmd = [sys.executable, str(Path(__file__).resolve()), "--long-worker"]
@@ -714,7 +714,7 @@ def bench_long(device: torch.device, args, deadline: float, on_row=None) -> list
 
     The rows run in one worker process (`--long-worker`), stopped when the section's time is up (the
     earlier of `deadline` and `--long-budget-s` from now); a row that would not fit, or did not finish,
-    is recorded with the reason. `on_row(rows)` is called after each row. Smoke: kvdemo.scale's small
+    is recorded with the reason. `on_row(rows)` is called after each row. Smoke: kvdemo.measured's small
     model at a few thousand tokens, plus one row through the Triton query tiles under the interpreter
     (one layer with Llama-8B head shapes; one chunk of 17 queries over one chunk of past: 2 tiles)."""
     from kvdemo.runner import PREFILL_CHUNK
@@ -762,7 +762,7 @@ def bench_long(device: torch.device, args, deadline: float, on_row=None) -> list
                 job |= {"shape": long_shape(args, layers), "warmup": warmup}
                 add(run_long_job(worker, job, base, left()))
         if args.smoke:
-            from kvdemo.scale import SCALE_MODEL
+            from kvdemo.measured import SCALE_MODEL
 
             shape = SCALE_MODEL | {"name": "llama-8b-heads", "display_name": "1 layer of Llama-8B heads (4/1, 128)"}
             shape |= {"layers": 1, "attention_heads": 4, "kv_heads": 1, "head_dim": 128, "hidden_size": 64}

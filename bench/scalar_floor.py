@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
 from kvdemo import cache as kv_cache  # noqa: E402
+from kvdemo import calibration  # noqa: E402
 from kvdemo import codebooks as books  # noqa: E402
 from kvdemo.precision import outlier_cap, parse_precision  # noqa: E402
 from kvdemo.quant import reference as ref  # noqa: E402
@@ -166,7 +167,7 @@ def gaussian_rows(seed: int = 0) -> dict:
 
 def key_error_rows(lm, ids) -> list[dict]:
     """error_rows on the keys the model's cache receives over `ids` (after RoPE), Fisher from one backward."""
-    captured = books.capture(lm, ids)
+    captured = calibration.capture(lm, ids)
     shipped = books.for_model(lm)
     t = len(ids) // GROUP * GROUP
     keys = [layer["key"][:, :, :t] for layer in captured]

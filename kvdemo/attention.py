@@ -40,10 +40,58 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .cache import BatchView, CacheView
-from .quant import backend_for, reference  # backend_for: one rule for attention and quantize-on-append
+from .quant import reference
+from .quant.backend import backend_for  # one rule for attention and quantize-on-append
 from .quant.reference import merge  # log-sum-exp merge of partial attentions
 
 BF16_BELOW_FP16_MAX = 65280.0  # the largest bf16 value that is finite in fp16 (65504 rounds up to 65536 in bf16)
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded, with a message fit for a user."""
+
+
+# layer kinds kvdemo's cache and attention compute exactly (config.layer_types)
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_supported(model_or_config) -> None:
+    """Raise `ModelLoadError` (one line) for a model whose attention kvdemo cannot compute exactly.
+
+    Takes a config or a model (a model is also checked module by module). Refused: a value head_dim
+    different from the key head_dim (MLA: DeepSeek-V2/V3, MiniCPM3), and layers that are not softmax
+    attention over a growing KV cache (linear attention, state-space layers). Supported extras (logit
+    softcap, sliding windows, gpt-oss sinks) are handled below.
+    """
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+    config = model.config if model is not None else model_or_config
+    config = getattr(config, "get_text_config", lambda: config)()
+    kind = getattr(config, "model_type", type(config).__name__)
+    v_dim = getattr(config, "v_head_dim", None)
+    if v_dim is not None:
+        k_dim = getattr(config, "qk_head_dim", None) or (
+            (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
+        )
+        k_dim = k_dim or getattr(config, "head_dim", None)
+        if k_dim and k_dim != v_dim:
+            raise ModelLoadError(
+                f"{kind} is not supported: its value head_dim ({v_dim}) differs from its key head_dim ({k_dim}), "
+                "and kvdemo's cache and attention need them equal"
+            )
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+    if other:
+        raise ModelLoadError(
+            f"{kind} is not supported: layer types {', '.join(other)} are not softmax attention over a KV cache"
+        )
+    for name, module in model.named_modules() if model is not None else ():
+        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        heads = getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
+        if isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear) and k.out_features != v.out_features:
+            raise ModelLoadError(
+                f"{kind} is not supported: in {name}, values have {v.out_features} features and keys "
+                f"{k.out_features} ({heads} kv heads); kvdemo needs equal key and value head dims"
+            )
+
 
 NAME = "kvdemo"
 DECODE_MAX_QUERIES = 16
@@ -269,8 +317,6 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, kvdemo_mask)
 
 def use_kvdemo_attention(model) -> None:
     """Route the model's attention through kvdemo (plain tensors still go to SDPA). A model kvdemo cannot
-    compute exactly is refused with a one-line `ModelLoadError` (`models.check_supported`)."""
-    from .models import check_supported
-
+    compute exactly is refused with a one-line `ModelLoadError` (`check_supported`)."""
     check_supported(model)
     model.set_attn_implementation(NAME)

@@ -887,7 +887,7 @@ def write_report(report: dict, out_dir: str | Path) -> dict:
     """Write bench.json, bench.md and bench.html into `out_dir`; return their paths."""
     import plotly.io as pio
 
-    from .figures import bench_figures
+    from .figures.bench import bench_figures
 
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)

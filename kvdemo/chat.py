@@ -44,7 +44,8 @@ from .lanes import (
 )
 from .models import LoadedModel
 from .precision import PRESETS, PrecisionSpec, parse_precision
-from .runner import PREFILL_CHUNK, PREFILL_MODES, Cancelled, chat_ids, first_divergence, stop_token_ids
+from .progress import Cancelled
+from .runner import PREFILL_CHUNK, PREFILL_MODES, chat_ids, first_divergence, stop_token_ids
 
 SYSTEM_PROMPT = "Answer the user's questions about the document below. Be brief and quote the document when you can."
 NO_DOCUMENT_PROMPT = "You are a helpful assistant. Be brief."
@@ -88,7 +89,7 @@ def model_lock(
     """Hold `lm.lock` (one generation at a time per loaded model); yields the seconds spent waiting.
 
     While another generation holds it, `on_wait(seconds)` is called every `poll_s` and
-    `should_stop()` is polled: if it returns True, `runner.Cancelled` is raised without the lock.
+    `should_stop()` is polled: if it returns True, `progress.Cancelled` is raised without the lock.
     """
     lock: threading.Lock = lm.lock
     start = time.perf_counter()
@@ -250,7 +251,7 @@ class ChatSession:
         at `max_new_tokens` (`Answer.stopped`: "eos", "sentence", "length").
 
         Raises `ChatError` for an empty question, a conversation that no longer fits the model's
-        context, or out of memory; `runner.Cancelled` if stopped while waiting for the lock (nothing
+        context, or out of memory; `progress.Cancelled` if stopped while waiting for the lock (nothing
         recorded). A turn stopped later (or interrupted by an exception from a callback) is recorded
         with its partial answers, `stopped="cancelled"` / `"skipped"`.
         """

@@ -51,6 +51,18 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .precision import PRESETS, parse_precision
+from .results.findings import (
+    DEFAULT_CONFIG,
+    THRESHOLDS,
+    capacity,
+    mean_kl,
+    mean_needle_delta,
+    needle_deltas,
+    nll_delta,
+    runs,
+    tradeoff,
+    window_deltas,
+)
 
 CODE_VERSION = "findings-1"  # bump when a measurement changes: cached results under an old version are not reused
 REPORT_DIR = Path(__file__).resolve().parent.parent / "assets" / "reports" / "findings"
@@ -59,23 +71,6 @@ WEIGHT_NOTE = (
     "dequantized to fp32 at load: 'as loaded' is already 4-bit-derived, and int8 / int4 re-quantize those values."
 )
 
-# Every threshold a verdict uses, in one place (units in the names).
-THRESHOLDS = {
-    "nll_ok_nats": 0.01,  # NLL delta vs full (nats/token, ~1% perplexity) at or below which an eval "passes"
-    "needle_ok_nats": 0.5,  # answer log-prob loss vs full (nats) at or below which a needle read "passes"
-    "short_tokens": 512,  # the short end of claim 2: windows ending and prompts at or below this length
-    "noise_nll_nats": 0.002,  # differences in mean NLL smaller than this are noise
-    "noise_kl_nats": 0.0005,  # ... in mean logit KL
-    "noise_needle_nats": 0.1,  # ... in mean answer log-prob
-    "key_value_measures_needed": 2,  # of the 3 measures, how many must show keys as the sensitive half
-    "matters_fraction": 0.10,  # sinks / residual "matter" when they cut the loss by at least this share
-    "stack_ratio_range": (0.5, 2.0),  # combined loss / (weights' loss + KV's loss) within this: the losses add up
-    "stack_min_loss_nats": 0.005,  # cells whose summed loss is below this are not judged for additivity
-    "capacity_formula_tolerance": 0.02,  # live cache bytes vs the layout formula
-    "budget_nll_nats": 0.01,  # claim 7's default quality budget (NLL delta, nats/token)
-}
-
-DEFAULT_CONFIG = {"model_config": "llama-3.1-8b", "gpu": "h100-80gb", "gpus": 1, "context": 32768}
 KEY_VALUE = ("k4v8", "k8v4", "k8v2")  # 4-bit keys, 4-bit values, 2-bit values
 AXIS = {4: ("int4", "int4:ktoken"), 2: ("int2", "int2:ktoken")}  # per channel vs per token keys
 SINKS = ("int2", "int2:s4")
@@ -383,7 +378,7 @@ def measure_spec(
 
 
 def _cache_path(model: str, weights: str, label: str, seq: Sequence_, sizes: dict) -> Path:
-    from .models import cache_dir
+    from .configs import cache_dir
 
     key = json.dumps([CODE_VERSION, model, weights, label, seq.digest, sizes], sort_keys=True)
     return cache_dir() / "findings" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
@@ -449,7 +444,7 @@ def _cached_states(lm, weights: str, seq: Sequence_, use_cache: bool, wait_s: fl
     """Exact states of `seq` for `weights`: from the disk cache (shared by shards), else computed (and saved)."""
     import torch
 
-    from .models import cache_dir
+    from .configs import cache_dir
     from .ppl import exact_states
 
     path = (
@@ -625,132 +620,6 @@ def _skeleton(
     }
 
 
-# --- numbers the verdicts read ---------------------------------------------------------------------------
-
-
-def _runs(found: dict, text: str = "main", weights: str = "loaded") -> dict:
-    return found.get("measurements", {}).get(f"{weights}:{text}", {})
-
-
-def _run(found: dict, label: str, weights: str = "loaded") -> dict | None:
-    """A precision's measurement: loaded weights on the main text, quantized weights on the stack text
-    (its first `stack_tokens` tokens: the same ids, so the same windows and prompts)."""
-    return _runs(found, "main" if weights == "loaded" else "stack", weights).get(label)
-
-
-def nll_delta(found: dict, label: str, weights: str = "loaded", max_end: int | None = None) -> float | None:
-    """Mean NLL (nats/token) of (`weights`, `label`) minus (loaded, full)'s over the same windows (ending by
-    `max_end` when given)."""
-    run, base = _run(found, label, weights), _run(found, "full")
-    if run is None or base is None:
-        return None
-    ref = {w["start"]: w["nll"] for w in base["windows"]}
-    mine = [
-        w for w in run["windows"] if w["start"] in ref and (max_end is None or w["start"] + w["tokens"] + 1 <= max_end)
-    ]
-    if not mine:
-        return None
-    return sum(w["nll"] - ref[w["start"]] for w in mine) / len(mine)
-
-
-def window_deltas(found: dict, label: str) -> list[dict]:
-    """Per window of the main text: {"start", "end", "delta"} (NLL vs full, nats/token)."""
-    run, base = _run(found, label), _run(found, "full")
-    if run is None or base is None:
-        return []
-    ref = {w["start"]: w["nll"] for w in base["windows"]}
-    return [
-        {"start": w["start"], "end": w["start"] + w["tokens"], "delta": w["nll"] - ref[w["start"]]}
-        for w in run["windows"]
-        if w["start"] in ref
-    ]
-
-
-def mean_kl(found: dict, label: str) -> float | None:
-    kls = [w["kl"] for w in (_run(found, label) or {}).get("windows", []) if "kl" in w]
-    return sum(kls) / len(kls) if kls else None
-
-
-def needle_deltas(found: dict, label: str, weights: str = "loaded", lengths=None) -> list[dict]:
-    """Per prompt length: {"length", "delta" (mean answer log-prob minus (loaded, full)'s, nats), "found",
-    "full_found", "asked"}."""
-    run, base = _run(found, label, weights), _run(found, "full")
-    if run is None or base is None:
-        return []
-    ref = {(n["length"], n["key"]): n for n in base["needles"]}
-    out = {}
-    for n in run["needles"]:
-        r = ref.get((n["length"], n["key"]))
-        if r is None or (lengths is not None and n["length"] not in lengths):
-            continue
-        d = out.setdefault(n["length"], {"deltas": [], "found": 0, "full_found": 0})
-        d["deltas"].append(n["logprob"] - r["logprob"])
-        d["found"] += n["found"]
-        d["full_found"] += r["found"]
-    return [
-        {
-            "length": length,
-            "delta": sum(out[length]["deltas"]) / len(out[length]["deltas"]),
-            "found": out[length]["found"],
-            "full_found": out[length]["full_found"],
-            "asked": len(out[length]["deltas"]),
-        }
-        for length in sorted(out)
-    ]
-
-
-def mean_needle_delta(found: dict, label: str, weights: str = "loaded", lengths=None) -> float | None:
-    rows = needle_deltas(found, label, weights, lengths)
-    return sum(r["delta"] for r in rows) / len(rows) if rows else None
-
-
-# --- capacity --------------------------------------------------------------------------------------------
-
-
-def capacity(found: dict, config: dict | None = None) -> dict:
-    """Headroom of every measured precision for `config` (default: the findings' own), plus the weight x KV
-    stacking sequences, plus the loaded model's live cache bytes beside the layout formula."""
-    from . import layout
-    from .memory import get_gpu, get_model_config, headroom
-
-    cfg = dict(found.get("config") or DEFAULT_CONFIG) | dict(config or {})
-    labels = [lbl for lbl in found.get("precisions", []) if lbl in _runs(found)] or ["full"]
-    if "full" not in labels:
-        labels = ["full", *labels]
-    out = headroom(
-        get_model_config(cfg["model_config"]), get_gpu(cfg["gpu"]), labels, int(cfg["context"]), gpus=int(cfg["gpus"])
-    )
-    info = found.get("model_info", {})
-    full_bits = 32 if info.get("dtype") == "float32" else 16
-    live = []
-    for label in labels:
-        run = _runs(found).get(label)
-        if run is None or not info:
-            continue
-        regions = layout.Layout(parse_precision(label)).regions(run["updates"])
-        formula = layout.region_bytes(regions, info["layers"], info["kv_heads"], info["head_dim"], label, full_bits)
-        live.append(
-            {
-                "precision": label,
-                "tokens": run["cache_tokens"],
-                "bytes": run["cache_bytes"],
-                "formula_bytes": formula["total"],
-                "error_vs_formula": run["cache_bytes"] / formula["total"] - 1,
-            }
-        )
-    return {
-        "config": cfg,
-        "multiplier": {lbl: out["sequences_vs_16bit"][lbl] for lbl in labels},
-        "sequences": {lbl: out["max_sequences"][lbl] for lbl in labels},
-        "sequences_16bit": out["max_sequences_16bit"],
-        "stacking": out["stacking"],
-        "production": out["production"],
-        "bits": out["bits_per_element"],
-        "live": live,
-        "warnings": out["warnings"],
-    }
-
-
 # --- verdicts --------------------------------------------------------------------------------------------
 
 
@@ -793,7 +662,7 @@ def verdict_long_range(found: dict) -> dict:
     short = th["short_tokens"]
     rows = []
     for label in found.get("precisions", []):
-        if label == "full" or label not in _runs(found):
+        if label == "full" or label not in runs(found):
             continue
         w = window_deltas(found, label)
         n = needle_deltas(found, label)
@@ -997,53 +866,6 @@ def verdict_stacking(found: dict) -> dict:
     return _verdict(len(inside) * 2 > len(ratios), text) | {"grid": grid, "ratios": ratios}
 
 
-def tradeoff(found: dict, budget: float | None = None, config: dict | None = None) -> dict:
-    """Every measured precision as (capacity multiplier, NLL delta, needle delta), the Pareto front and
-    the cheapest precision within `budget` (NLL delta, nats/token) that also passes the needle threshold."""
-    th = found.get("thresholds", THRESHOLDS)
-    budget = th["budget_nll_nats"] if budget is None else budget
-    cap = capacity(found, config)
-    points = []
-    for label in found.get("precisions", []):
-        if label not in _runs(found):
-            continue
-        d = 0.0 if label == "full" else nll_delta(found, label)
-        nd = 0.0 if label == "full" else mean_needle_delta(found, label)
-        if d is None:
-            continue
-        points.append(
-            {
-                "precision": label,
-                "multiplier": cap["multiplier"].get(label),
-                "sequences": cap["sequences"].get(label),
-                "nll_delta": d,
-                "needle_delta": nd,
-            }
-        )
-    for p in points:
-        p["pareto"] = not any(
-            q is not p
-            and q["multiplier"] >= p["multiplier"]
-            and q["nll_delta"] <= p["nll_delta"]
-            and (q["multiplier"] > p["multiplier"] or q["nll_delta"] < p["nll_delta"])
-            for q in points
-        )
-    ok = [
-        p
-        for p in points
-        if p["nll_delta"] <= budget and (p["needle_delta"] is None or p["needle_delta"] >= -th["needle_ok_nats"])
-    ]
-    pick = max(ok, key=lambda p: (p["multiplier"] or 0, -p["nll_delta"])) if ok else None
-    return {
-        "budget": budget,
-        "points": points,
-        "pick": pick,
-        "production": cap["production"].get(pick["precision"]) if pick else None,
-        "config": cap["config"],
-        "sequences_16bit": cap["sequences_16bit"],
-    }
-
-
 def verdict_tradeoff(found: dict, budget: float | None = None, config: dict | None = None) -> dict:
     t = tradeoff(found, budget, config)
     if not t["points"]:
@@ -1171,7 +993,7 @@ def caption(found: dict) -> str:
     params = "135M" if found.get("embedded") else "loaded"
     return CAPTION.format(
         model=found.get("model", "?"),
-        n=len(_runs(found)),
+        n=len(runs(found)),
         tokens=found.get("sizes", {}).get("tokens", 0),
         size=params,
         ctx=info.get("max_context", 0),

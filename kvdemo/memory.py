@@ -1,4 +1,4 @@
-"""KV-cache bytes: measured on a live cache, by formula, and as concurrency headroom on a GPU budget.
+"""KV-cache bytes by formula, and as concurrency headroom on a GPU budget.
 
 Formula: bytes/token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element. For a quantized
 `PrecisionSpec` the bytes per element are `spec.bits_per_element(head_dim)` / 8: code bits plus the
@@ -25,65 +25,25 @@ free = M - reserve - weights / G; max sequences = floor(free / per-GPU sequence 
 CUDA graphs and the runtime. Weights = parameters x weight bits / 8 (scales of quantized checkpoints
 and layers kept in 16 bits are not counted: raise the reserve for them).
 
-Units: bytes internally; GB = 10^9 bytes in every option and printout. GPU presets
-(assets/gpus.json) carry the total memory the driver reports in MiB (2^20 bytes): an "H100 80 GB"
-has 81,559 MiB = 85.5 GB. Reference model configs (assets/model_configs/*.json) are typed from the
-public Hugging Face model cards and config.json files named in their `source` field.
+Units: bytes internally; GB = 10^9 bytes in every option and printout (kvdemo/configs.py holds the model
+configs and GPU presets). Nothing here imports torch: headroom math stays light. Live caches are measured
+beside these formulas in kvdemo/measured.py.
 vLLM prints the same quantity as "Maximum concurrency for N tokens per request" (our `concurrency`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from functools import cache
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from . import layout
+from .configs import GB, GPU, SERVE_BITS, WEIGHT_BITS, HeadroomError, ModelConfig, check_weight_bits
 from .precision import PrecisionSpec, parse_precision
 from .production import production_settings
 
-if TYPE_CHECKING:  # torch is imported only where a model runs: headroom math stays light
-    from .models import LoadedModel
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-MODEL_CONFIG_DIR = ASSETS / "model_configs"
-GPU_FILE = ASSETS / "gpus.json"
-GB = 10**9
-MIB = 2**20
-SERVE_BITS = 16  # full precision when planning a deployment: fp16 / bf16
-WEIGHT_BITS = (16, 8, 4)
 DEFAULT_RESERVE_FRACTION = 0.10
 MEASURE_TOKENS = 2048  # `--model-config loaded`: prefill at most this many tokens for the measured column
 CURVE_POINTS = 41
-MODEL_ALIASES = {
-    "mistral-7b": "mistral-7b-v0.3",
-    "smollm2": "smollm2-135m",
-    "smollm2-135m-instruct": "smollm2-135m",
-    "embedded": "smollm2-135m",
-    "llama-3-8b": "llama-3.1-8b",
-    "llama-3-70b": "llama-3.1-70b",
-}
-GPU_ALIASES = {
-    "l4": "l4-24gb",
-    "rtx4090": "rtx4090-24gb",
-    "rtx-4090": "rtx4090-24gb",
-    "4090": "rtx4090-24gb",
-    "rtx-4090-24gb": "rtx4090-24gb",
-    "a100-40": "a100-40gb",
-    "a100-80": "a100-80gb",
-    "h100": "h100-80gb",
-    "h100-80": "h100-80gb",
-    "h200": "h200-141gb",
-    "h200-141": "h200-141gb",
-}
-
-
-class HeadroomError(ValueError):
-    """A headroom question that cannot be answered (unknown config or GPU, bad size), said in one line."""
 
 
 def fp16_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int) -> int:
@@ -91,169 +51,7 @@ def fp16_cache_bytes(layers: int, kv_heads: int, head_dim: int, tokens: int) -> 
     return round(layout.bytes_per_token(layers, kv_heads, head_dim, "full", 16) * tokens)
 
 
-def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
-    """Prefill `ids` into a cache at each precision; report its live bytes next to a 16-bit cache."""
-    from .runner import new_cache, prefill
-
-    tokens = len(ids)
-    fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, tokens)
-    results = []
-    for spec in specs:
-        spec = parse_precision(spec)
-        cache = new_cache(lm, spec)
-        prefill(lm, ids, cache)
-        nb = cache.nbytes()
-        bits = spec.bits_per_element(lm.head_dim, full_bits=8 * lm.dtype.itemsize)
-        results.append(
-            {
-                "precision": spec.label,
-                "bytes": nb["total"],
-                "bytes_fp16": fp16,
-                "ratio_vs_fp16": round(fp16 / nb["total"], 4),
-                "bits_per_element": round(bits["mean"], 4),
-                "bytes_per_token": round(nb["total"] / tokens, 1),
-                "breakdown": {
-                    k: nb[k] for k in ("codes", "scales", "outliers", "codebooks", "residual", "sinks", "allocated")
-                },
-                "spec": spec.to_dict(),
-            }
-        )
-        del cache
-    return {"model": lm.name, "tokens": tokens, "results": results}
-
-
-# --- model configs and GPUs ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """What KV bytes and weight bytes depend on, for one model (typed from its public model card)."""
-
-    name: str
-    display_name: str
-    layers: int
-    attention_heads: int
-    kv_heads: int
-    head_dim: int
-    hidden_size: int
-    params: int
-    max_context: int
-    source: str
-    notes: str = ""
-
-    def __post_init__(self):
-        for field in ("layers", "attention_heads", "kv_heads", "head_dim", "hidden_size", "params", "max_context"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise HeadroomError(f"model config {self.name!r}: {field} must be a positive integer, got {value!r}")
-        if self.attention_heads % self.kv_heads:
-            raise HeadroomError(
-                f"model config {self.name!r}: attention_heads ({self.attention_heads}) must be a multiple of "
-                f"kv_heads ({self.kv_heads})"
-            )
-
-    def weight_bytes(self, weight_bits: int = 16) -> int:
-        """Parameters x bits / 8 (quantization scales not counted)."""
-        _check_weight_bits(weight_bits)
-        return self.params * weight_bits // 8
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        names = {f for f in cls.__dataclass_fields__}
-        missing = sorted(names - set(d) - {"notes"})
-        if missing:
-            raise HeadroomError(f"model config {d.get('name', '?')!r} lacks {', '.join(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@dataclass(frozen=True)
-class GPU:
-    """One accelerator's memory (bytes), and its name."""
-
-    name: str
-    display_name: str
-    memory_bytes: int
-    notes: str = ""
-
-    @property
-    def memory_gb(self) -> float:
-        return self.memory_bytes / GB
-
-    def to_dict(self) -> dict:
-        return asdict(self) | {"memory_gb": round(self.memory_gb, 3)}
-
-
-@cache
-def model_configs() -> dict[str, ModelConfig]:
-    """Reference configs shipped in assets/model_configs/*.json, by name (e.g. "llama-3.1-70b")."""
-    configs = {}
-    for path in sorted(MODEL_CONFIG_DIR.glob("*.json")):
-        cfg = ModelConfig.from_dict(json.loads(path.read_text()))
-        configs[cfg.name] = cfg
-    if not configs:
-        raise FileNotFoundError(f"no model configs in {MODEL_CONFIG_DIR} (reinstall kvdemo with its assets/ folder)")
-    return configs
-
-
-def get_model_config(name: str) -> ModelConfig:
-    """A reference config by name or alias (case-insensitive); `loaded` is `config_from_model`."""
-    key = MODEL_ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
-    configs = model_configs()
-    if key not in configs:
-        raise HeadroomError(f"unknown model config {name!r}; choose one of: {', '.join(configs)}, loaded")
-    return configs[key]
-
-
-def config_from_model(lm: LoadedModel) -> ModelConfig:
-    """The same config for a loaded model ("loaded"), with its real parameter count."""
-    params = sum(p.numel() for p in lm.unique_parameters())  # tied embeddings count once
-    return ModelConfig(
-        name="loaded",
-        display_name=lm.name,
-        layers=lm.num_layers,
-        attention_heads=lm.config.num_attention_heads,
-        kv_heads=lm.kv_heads,
-        head_dim=lm.head_dim,
-        hidden_size=lm.config.hidden_size,
-        params=params,
-        max_context=lm.max_context,
-        source=lm.source,
-        notes=f"read from the loaded model ({lm.dtype} on {lm.device})",
-    )
-
-
-@cache
-def gpu_presets() -> dict[str, GPU]:
-    """GPU presets from assets/gpus.json (memory as the driver reports it, MiB -> bytes)."""
-    data = json.loads(GPU_FILE.read_text())
-    return {
-        g["name"]: GPU(g["name"], g["display_name"], int(g["memory_mib"]) * MIB, g.get("notes", ""))
-        for g in data["gpus"]
-    }
-
-
-def get_gpu(name: str = "h100-80gb", memory_gb: float | None = None) -> GPU:
-    """A preset by name or alias, or a custom GPU of `memory_gb` GB (10^9 bytes) when given."""
-    if memory_gb is not None:
-        if not math.isfinite(memory_gb) or memory_gb <= 0:
-            raise HeadroomError(f"--gpu-memory-gb must be a positive number of GB, got {memory_gb}")
-        return GPU(f"custom-{memory_gb:g}gb", f"custom {memory_gb:g} GB", round(memory_gb * GB), "custom size")
-    key = GPU_ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
-    presets = gpu_presets()
-    if key not in presets:
-        raise HeadroomError(f"unknown GPU {name!r}; choose one of: {', '.join(presets)} (or --gpu-memory-gb N)")
-    return presets[key]
-
-
 # --- formulas ----------------------------------------------------------------------------------------
-
-
-def _check_weight_bits(weight_bits: int) -> None:
-    if weight_bits not in WEIGHT_BITS:
-        raise HeadroomError(f"weight bits {weight_bits} not supported; allowed: {', '.join(map(str, WEIGHT_BITS))}")
 
 
 def full_window(spec: PrecisionSpec) -> int:
@@ -300,37 +98,6 @@ def kv_heads_per_gpu(kv_heads: int, gpus: int) -> int:
     return max(1, -(-kv_heads // gpus))
 
 
-def prefill_updates(tokens: int, chunk: int | None = None) -> list[int]:
-    """Tokens per cache update when `runner.prefill` appends `tokens` tokens (chunks of `chunk`)."""
-    if chunk is None:
-        from .runner import PREFILL_CHUNK as chunk
-    return [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
-
-
-def compare_measured(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
-    """`measure_memory` beside the formulas: exact regions (`layout.region_bytes`) and plain bytes/token x tokens.
-
-    The plain formula ignores the full-precision sinks and residual, so it matches the live cache only
-    when those are empty (sinks 0, tokens a multiple of the group size); the region formula always does.
-    """
-    specs = [parse_precision(s) for s in specs]
-    out = measure_memory(lm, ids, specs)
-    cfg = config_from_model(lm)
-    full_bits = 8 * lm.dtype.itemsize
-    updates = prefill_updates(len(ids))
-    out["dtype"] = str(lm.dtype).replace("torch.", "")
-    for row, spec in zip(out["results"], specs, strict=True):
-        regions = layout.Layout(spec).regions(updates)
-        exact = layout.region_bytes(regions, cfg.layers, cfg.kv_heads, cfg.head_dim, spec, full_bits)
-        plain = bytes_per_token(cfg, spec, full_bits=full_bits) * len(ids)
-        row["layout"] = regions.to_dict()
-        row["formula_bytes"] = exact["total"]
-        row["formula_plain_bytes"] = round(plain)
-        row["error_vs_formula"] = round(row["bytes"] / exact["total"] - 1, 6)
-        row["error_vs_plain"] = round(row["bytes"] / plain - 1, 6)
-    return out
-
-
 # --- headroom ----------------------------------------------------------------------------------------
 
 
@@ -347,7 +114,7 @@ def headroom(
     """Bytes/token, max concurrent sequences at `context`, max context for `users`, memory split and the
     weight x KV "stacking", for every precision in `specs` at once (see the module docstring)."""
     specs = [parse_precision(s) for s in specs]
-    _check_weight_bits(weight_bits)
+    check_weight_bits(weight_bits)
     for what, value in (("context", context), ("gpus", gpus), ("users", users)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise HeadroomError(f"{what} must be a positive integer, got {value!r}")

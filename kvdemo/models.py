@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import torch
 
+from .attention import ModelLoadError, check_supported, use_kvdemo_attention
+from .configs import MODEL_CONFIG_DIR, ModelConfig, cache_dir, get_model_config
 from .layout import bytes_per_token
 from .precision import PrecisionSpec
 
@@ -28,10 +30,6 @@ DEFAULT_MODEL = "embedded"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct (embedded, GGUF Q4_1)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """A model that cannot be loaded, with a message fit for a user."""
 
 
 class NotCausalLMError(ModelLoadError):
@@ -100,10 +98,6 @@ class LoadedModel:
         }
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVDEMO_CACHE_DIR") or Path.home() / ".cache" / "kvdemo")
-
-
 def pick_device(device: str = "auto") -> torch.device:
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -145,46 +139,22 @@ def clamp_to_fp16(t: torch.Tensor) -> torch.Tensor:
     return t.nan_to_num_(nan=0.0, posinf=fp16_max, neginf=-fp16_max).clamp_(-fp16_max, fp16_max)
 
 
-# layer kinds kvdemo's cache and attention compute exactly (config.layer_types)
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def check_supported(model_or_config) -> None:
-    """Raise `ModelLoadError` (one line) for a model whose attention kvdemo cannot compute exactly.
-
-    Takes a config or a model (a model is also checked module by module). Refused: a value head_dim
-    different from the key head_dim (MLA: DeepSeek-V2/V3, MiniCPM3), and layers that are not softmax
-    attention over a growing KV cache (linear attention, state-space layers). Supported extras (logit
-    softcap, sliding windows, gpt-oss sinks) are handled in kvdemo/attention.py.
-    """
-    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
-    config = model.config if model is not None else model_or_config
-    config = getattr(config, "get_text_config", lambda: config)()
-    kind = getattr(config, "model_type", type(config).__name__)
-    v_dim = getattr(config, "v_head_dim", None)
-    if v_dim is not None:
-        k_dim = getattr(config, "qk_head_dim", None) or (
-            (getattr(config, "qk_nope_head_dim", 0) or 0) + (getattr(config, "qk_rope_head_dim", 0) or 0)
-        )
-        k_dim = k_dim or getattr(config, "head_dim", None)
-        if k_dim and k_dim != v_dim:
-            raise ModelLoadError(
-                f"{kind} is not supported: its value head_dim ({v_dim}) differs from its key head_dim ({k_dim}), "
-                "and kvdemo's cache and attention need them equal"
-            )
-    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
-    if other:
-        raise ModelLoadError(
-            f"{kind} is not supported: layer types {', '.join(other)} are not softmax attention over a KV cache"
-        )
-    for name, module in model.named_modules() if model is not None else ():
-        k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
-        heads = getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
-        if isinstance(k, torch.nn.Linear) and isinstance(v, torch.nn.Linear) and k.out_features != v.out_features:
-            raise ModelLoadError(
-                f"{kind} is not supported: in {name}, values have {v.out_features} features and keys "
-                f"{k.out_features} ({heads} kv heads); kvdemo needs equal key and value head dims"
-            )
+def config_from_model(lm: LoadedModel) -> ModelConfig:
+    """The same config for a loaded model ("loaded"), with its real parameter count."""
+    params = sum(p.numel() for p in lm.unique_parameters())  # tied embeddings count once
+    return ModelConfig(
+        name="loaded",
+        display_name=lm.name,
+        layers=lm.num_layers,
+        attention_heads=lm.config.num_attention_heads,
+        kv_heads=lm.kv_heads,
+        head_dim=lm.head_dim,
+        hidden_size=lm.config.hidden_size,
+        params=params,
+        max_context=lm.max_context,
+        source=lm.source,
+        notes=f"read from the loaded model ({lm.dtype} on {lm.device})",
+    )
 
 
 def embedded_gguf() -> Path:
@@ -235,8 +205,6 @@ def load_model(source: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "
         with torch.no_grad():
             for p in model.parameters():
                 clamp_to_fp16(p.data)
-    from .attention import use_kvdemo_attention
-
     use_kvdemo_attention(model)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -389,11 +357,7 @@ def random_model(shape: str | dict, device: torch.device | str = "cpu", dtype: s
     depend on the weights' values, so measurements of them can use it where real weights are absent."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .attention import use_kvdemo_attention
-
     if isinstance(shape, str):
-        from .memory import MODEL_CONFIG_DIR, get_model_config
-
         shape = json.loads((MODEL_CONFIG_DIR / f"{get_model_config(shape).name}.json").read_text())
     config = LlamaConfig(
         vocab_size=shape["vocab_size"],

@@ -60,6 +60,7 @@ from . import runner, texts
 from .cache import QuantizedKVCache
 from .models import LoadedModel
 from .precision import PRESETS, PrecisionSpec, parse_precision, parse_precision_list
+from .results.needle import cell_key
 from .runner import chat_ids, fork, forward, generate, new_cache, prefill
 
 KINDS = ("passkey", "multikey", "custom")
@@ -471,12 +472,6 @@ class NeedleRow:
 
 def _as_dicts(rows: Sequence[NeedleRow | dict]) -> list[dict]:
     return [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
-
-
-def cell_key(row: dict) -> tuple[int, float, int]:
-    """(length, depth, seed) of a row dict: the run it is, whatever its precision (reports written before
-    repeats carry no seed: one seed per grid)."""
-    return row["length"], row["depth"], row.get("seed", 0)
 
 
 def transplant(

@@ -33,6 +33,7 @@ from . import runner
 from .attention import DECODE_MAX_QUERIES
 from .models import LoadedModel
 from .precision import PrecisionSpec, parse_precision
+from .results.ppl import HELD_OUT_NAME, interval_text
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,6 @@ def run_ppl(
     return out
 
 
-HELD_OUT_NAME = "Held-out prose (Sense and Sensibility)"  # run_ppl's text unless given one
 HELD_OUT_TOKENS = 16384  # the most the held-out prose gives before it repeats (17.2k SmolLM2 tokens)
 MIN_TOKENS = 256  # the shortest text worth scoring: 64 stored exactly, 128 scored (two blocks of BLOCK)
 
@@ -260,7 +260,7 @@ def longest_text(lm: LoadedModel, document_tokens: int | None = None) -> int:
 
 
 def work_tokens(tokens: int, prefix: int, quantized: int) -> int:
-    """Tokens of model work in one run (for time hints, kvdemo.rates): the exact prefix once, then the rest
+    """Tokens of model work in one run (for time hints, kvdemo.progress): the exact prefix once, then the rest
     decoded through full precision and each of `quantized` caches."""
     return prefix + (tokens - prefix) * (quantized + 1)
 
@@ -504,11 +504,6 @@ def resampled_figures(blocks: dict) -> dict[str, dict[str, torch.Tensor]]:
         "delta_vs_full": {name: p - full for name, p in ppl.items()},
         "logit_kl": means(blocks["logit_kl"], blocks["kl_counts"]),
     }
-
-
-def interval_text(ci: list | None, spec: str = "+.3f") -> str:
-    """An interval [low, high] as "low .. high" ("" for None: a report written before the intervals)."""
-    return "" if ci is None else f"{ci[0]:{spec}} .. {ci[1]:{spec}}"
 
 
 def interval95(draws: torch.Tensor) -> list[float]:

@@ -22,6 +22,7 @@ from . import needle, runner
 from .drift import capture_reference, document_prompt, document_text, run_drift
 from .models import LoadedModel
 from .precision import PRESETS, PrecisionSpec, parse_precision
+from .progress import Cancelled
 
 MODES = runner.PREFILL_MODES
 MODE_HELP = {
@@ -90,7 +91,7 @@ def needle_modes(
     rows = {"exact": needle.run_cell(lm, task, prompt, [PRESETS["full"], *specs], should_stop, prefill_mode="exact")}
     rows["chunked"] = needle.run_cell(lm, task, prompt, specs, should_stop, prefill_mode="chunked")
     if len(rows["exact"]) < len(specs) + 1 or len(rows["chunked"]) < len(specs):
-        raise runner.Cancelled("the prefill-mode comparison was stopped")
+        raise Cancelled("the prefill-mode comparison was stopped")
     full = next(r for r in rows["exact"] if r.precision == "full")
     results = []
     for spec in specs:

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import figures
+from .figures.findings import findings_figures
 from .findings import caption, evaluate, save
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking")
@@ -89,7 +89,7 @@ def render_html(found: dict, config: dict | None = None, budget: float | None = 
             f"<div class='verdict' style='border-color:{color};color:{color}'>{esc(c['verdict']['word'].capitalize())}: "
             f"{esc(c['verdict']['text'])}</div>",
         ]
-        for fig in figures.findings_figures(found, c["id"]):
+        for fig in findings_figures(found, c["id"]):
             parts.append(_figure_html(fig, first))
             first = False
         parts.append(f"<p class='method'><b>How it was measured.</b> {esc(c['method'])}</p></section>")
@@ -162,7 +162,7 @@ def write_report(found: dict, out_dir: str | Path, pdf: bool = True) -> dict:
         if printed is not None:
             files["pdf"] = str(printed)
         for name, (claim_id, index) in README_FIGURES.items():
-            png = figure_png(figures.findings_figures(found, claim_id)[index], out_dir / name)
+            png = figure_png(findings_figures(found, claim_id)[index], out_dir / name)
             if png is not None:
                 files[name] = str(png)
     return files

@@ -30,10 +30,6 @@ PREFILL_CHUNK = 2048  # long prompts are prefilled in chunks: bounded activation
 PREFILL_MODES = ("exact", "chunked")
 
 
-class Cancelled(Exception):
-    """Raised inside a run when its `should_stop` callback says so."""
-
-
 def chat_ids(lm: LoadedModel, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation with the model's chat template (plain text if it has none)."""
     tok = lm.tokenizer

@@ -163,7 +163,8 @@ def machine_memory(device: torch.device | str | None = None) -> dict:
 
 @lru_cache(maxsize=8)
 def _fits(memory_gb: float, context: int, precisions: tuple[str, ...]) -> tuple[dict, ...]:
-    from .memory import get_gpu, headroom, model_configs
+    from .configs import get_gpu, model_configs
+    from .memory import headroom
 
     budget = get_gpu(memory_gb=memory_gb)
     rows = []

@@ -581,7 +581,7 @@ def test_rejected_needle_setting_leaves_no_progress_bar():
 
 
 def test_drift_time_hint_comes_from_measured_rates():
-    from kvdemo import rates
+    from kvdemo import progress as rates
 
     rates.clear()
     at = start("app_pages/drift.py")
@@ -662,13 +662,13 @@ def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatc
     where the caches look (the fit itself is faked: tests/test_calibrate.py runs the real one)."""
     import torch
 
-    from kvdemo import codebooks
+    from kvdemo import calibration, codebooks
 
     monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(codebooks, "ASSET_DIR", tmp_path / "no-shipped-files")
     calls = []
 
-    def fake_calibrate(lm, ids=None, bits=codebooks.BITS, on_progress=None):
+    def fake_calibrate(lm, ids=None, bits=calibration.BITS, on_progress=None):
         calls.append(len(ids))
         for frac in (0.0, 0.5, 1.0):
             on_progress("layer", frac)
@@ -680,7 +680,7 @@ def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatc
     doc = at.session_state["document"]["name"]
     at.sidebar.selectbox(key="kv_preset").set_value("nuq3").run()
     assert any("NormalFloat levels" in c.value for c in at.sidebar.caption)
-    monkeypatch.setattr(codebooks, "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
     at.sidebar.button(key="kv_calibrate").click().run()
     assert not at.exception and not at.sidebar.error, [e.value for e in at.sidebar.error]
     assert calls == [2048]
@@ -690,11 +690,11 @@ def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatc
     assert all(b.key != "kv_calibrate" for b in at.sidebar.button)
     assert at.session_state["document"]["name"] == doc
 
-    def broken(lm, ids=None, bits=codebooks.BITS, on_progress=None):
+    def broken(lm, ids=None, bits=calibration.BITS, on_progress=None):
         raise RuntimeError("no attention hook on this architecture")
 
     path.unlink()
-    monkeypatch.setattr(codebooks, "calibrate", broken)
+    monkeypatch.setattr(calibration, "calibrate", broken)
     at.run()
     at.sidebar.button(key="kv_calibrate").click().run()
     assert not at.exception
@@ -705,19 +705,19 @@ def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatc
 def test_fit_codebooks_on_the_uploaded_document_and_go_back(lm, tmp_path, monkeypatch):
     """With a document uploaded and a nuq spec, a button under it fits the codebooks on its text (the fit faked as above; the CLI test
     runs a real document fit), says so under the codebooks, and a button forgets that fit: the shipped file again."""
-    from kvdemo import codebooks
+    from kvdemo import calibration, codebooks
 
     monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
     seen = []
 
-    def fake_calibrate(lm, ids=None, bits=codebooks.BITS, on_progress=None):
+    def fake_calibrate(lm, ids=None, bits=calibration.BITS, on_progress=None):
         seen.append(list(ids))
         meta = {"layers": str(lm.num_layers), "calibration_tokens": str(len(ids)), "date": "today", "seconds": "1"}
         return codebooks.Codebooks(
             {codebooks.tensor_name(0, "key", 3, False, False): torch.linspace(-1, 1, 8).half()}, meta
         )
 
-    monkeypatch.setattr(codebooks, "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
     at = start("app_pages/chat.py")
     at.sidebar.selectbox(key="kv_preset").set_value("nuq3").run()
     shipped = next(c.value for c in at.sidebar.caption if c.value.startswith("nuq codebooks:"))

@@ -12,8 +12,8 @@ import torch
 from kvdemo import codebooks
 from kvdemo.calibration import calibrate_to_file, default_path
 from kvdemo.cli import main
+from kvdemo.measured import SCALE_MODEL
 from kvdemo.models import random_model
-from kvdemo.scale import SCALE_MODEL
 
 TOKENS = 128  # one key block: the smallest calibration
 PER_LAYER = 18  # (K, K pre-RoPE, V) x (plain, .o) x nuq2/3/4

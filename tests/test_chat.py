@@ -14,7 +14,8 @@ from kvdemo import lanes
 from kvdemo.chat import ChatError, ChatSession, divergence_split, model_lock
 from kvdemo.lanes import Answer, Decoding, Lane, ends_sentence
 from kvdemo.precision import parse_precision
-from kvdemo.runner import Cancelled, chat_ids, first_divergence, run_precision
+from kvdemo.progress import Cancelled
+from kvdemo.runner import chat_ids, first_divergence, run_precision
 
 DOC = (
     "The Zorblat company was founded in 1987 in Lisbon by Maria Santos. It makes blue bicycles and red "

@@ -221,14 +221,19 @@ def test_int2_drifts_more_than_int8(lm, out):
 
 @pytest.mark.model
 def test_figures_build(out):
-    from kvdemo import figures
+    from kvdemo.figures.drift import (
+        drift_js_heatmap_figure,
+        drift_layer_figure,
+        drift_logit_kl_figure,
+        drift_position_figure,
+    )
 
-    heat = figures.drift_js_heatmap_figure(out["results"][1])
+    heat = drift_js_heatmap_figure(out["results"][1])
     assert len(heat.data[0].z) == len(out["results"][1]["per_layer"])
     for fig in (
-        figures.drift_position_figure(out),
-        figures.drift_logit_kl_figure(out),
-        figures.drift_layer_figure(out),
+        drift_position_figure(out),
+        drift_logit_kl_figure(out),
+        drift_layer_figure(out),
     ):
         assert len(fig.data) == len(out["results"])
     assert drift_cli.format_text({"tokens": DOC_TOKENS} | out).count("\n") > 4

@@ -263,7 +263,7 @@ def _deepseek_config():
 def test_value_dim_unequal_to_key_dim_is_refused_at_load(tmp_path):
     config = _deepseek_config()
     with pytest.raises(ModelLoadError, match="value head_dim") as err:
-        models.check_supported(config)
+        attention.check_supported(config)
     assert "\n" not in str(err.value)
     config.save_pretrained(tmp_path)  # a local folder: refused from its config, before any weight loads
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -277,14 +277,14 @@ def test_value_dim_unequal_to_key_dim_is_refused_at_load(tmp_path):
 
 def test_supported_families_pass_the_load_check():
     for family in FAMILIES:
-        models.check_supported(_model(family))
+        attention.check_supported(_model(family))
 
 
 def test_unknown_layer_types_are_refused():
     config = _config("qwen3")
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ModelLoadError, match="linear_attention"):
-        models.check_supported(config)
+        attention.check_supported(config)
 
 
 def test_cuda_default_dtype_is_the_checkpoints_own(monkeypatch):

@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from kvdemo import figures, memory
+from kvdemo import configs, memory
+from kvdemo.figures.memory import (
+    headroom_concurrency_figure,
+    headroom_memory_figure,
+    headroom_split_figure,
+    headroom_stacking_figure,
+)
+from kvdemo.figures.needle import FULL_MISSED, full_missed_cells, needle_difference_figure, needle_heatmap_figure
+from kvdemo.figures.ppl import ablation_frontier_figure
 
 LENGTHS = [1000, 2000]
 DEPTHS = [10.0, 50.0, 90.0]
@@ -54,7 +62,7 @@ def _row_value(rows, label, n, depth, value):
 @pytest.mark.parametrize("value", ["correct", "answer_logprob"])
 def test_needle_heatmap_panels_put_each_depth_on_the_same_row(value):
     rows = _rows()
-    fig = figures.needle_heatmap_figure(_result(), value=value)
+    fig = needle_heatmap_figure(_result(), value=value)
     assert len(fig.data) == len(PRECISIONS)
     for label, trace in zip(PRECISIONS, fig.data, strict=True):
         top_down = displayed_rows(fig, trace)
@@ -67,7 +75,7 @@ def test_needle_heatmap_panels_put_each_depth_on_the_same_row(value):
 
 def test_needle_difference_panels_put_each_depth_on_the_same_row():
     rows = _rows()
-    fig = figures.needle_difference_figure(_result())
+    fig = needle_difference_figure(_result())
     assert len(fig.data) == len(PRECISIONS) - 1
     for label, trace in zip(PRECISIONS[1:], fig.data, strict=True):
         top_down = displayed_rows(fig, trace)
@@ -85,27 +93,27 @@ def test_needle_difference_panels_put_each_depth_on_the_same_row():
 
 def test_cells_where_full_precision_missed_are_marked():
     result = _result()
-    assert figures.full_missed_cells(result["rows"]) == {(n, 90.0): 1 for n in LENGTHS}  # one run per cell
-    for fig in (figures.needle_heatmap_figure(result), figures.needle_difference_figure(result)):
+    assert full_missed_cells(result["rows"]) == {(n, 90.0): 1 for n in LENGTHS}  # one run per cell
+    for fig in (needle_heatmap_figure(result), needle_difference_figure(result)):
         for trace in fig.data:
             for depth, texts in zip(trace.y, trace.text, strict=True):
-                marked = [figures.FULL_MISSED in t for t in texts]
+                marked = [FULL_MISSED in t for t in texts]
                 assert marked == [depth == "90%"] * len(LENGTHS), (trace.name, depth, texts)
 
 
 def _headroom() -> dict:
-    cfg = memory.get_model_config("llama-3.1-70b")
-    gpu = memory.get_gpu("h100-80gb")
+    cfg = configs.get_model_config("llama-3.1-70b")
+    gpu = configs.get_gpu("h100-80gb")
     return memory.headroom(cfg, gpu, ["full", "fp8", "int8", "k8v4", "int4", "int2"], context=100_000, gpus=4)
 
 
 def test_long_chart_titles_wrap():
     out = _headroom()
     figs = [
-        figures.headroom_memory_figure(out),
-        figures.headroom_concurrency_figure(out),
-        figures.headroom_split_figure(out),
-        figures.headroom_stacking_figure(out),
+        headroom_memory_figure(out),
+        headroom_concurrency_figure(out),
+        headroom_split_figure(out),
+        headroom_stacking_figure(out),
     ]
     for fig in figs:
         text = fig.layout.title.text
@@ -121,7 +129,7 @@ def test_ablation_frontier_reads_back_every_cell_of_the_shipped_report():
     from kvdemo import ppl
 
     report = ppl.load_ablation()
-    fig = figures.ablation_frontier_figure(report)
+    fig = ablation_frontier_figure(report)
     assert [t.name for t in fig.data] == report["columns"] and fig.layout.yaxis.type == "log"
     cells = {r["precision"]: r for r in report["results"]}
     for trace in fig.data:

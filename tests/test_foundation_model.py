@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvdemo.memory import measure_memory
+from kvdemo.measured import measure_memory
 from kvdemo.runner import chat_ids, compare, new_cache, prefill, run_precision
 
 pytestmark = pytest.mark.model

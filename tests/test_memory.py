@@ -13,24 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdemo import memory
+from kvdemo import configs
 from kvdemo.cache import QuantizedKVCache
 from kvdemo.cli import memory as memory_cli
+from kvdemo.configs import GB, MIB, ModelConfig, get_gpu, get_model_config
 from kvdemo.layout import Layout, region_bytes
-from kvdemo.memory import (
-    GB,
-    MIB,
-    ModelConfig,
-    bytes_per_token,
-    fp16_cache_bytes,
-    get_gpu,
-    get_model_config,
-    headroom,
-    kv_heads_per_gpu,
-    max_tokens,
-    prefill_updates,
-    sequence_bytes,
-)
+from kvdemo.measured import prefill_updates
+from kvdemo.memory import bytes_per_token, fp16_cache_bytes, headroom, kv_heads_per_gpu, max_tokens, sequence_bytes
 from kvdemo.precision import PRESETS, parse_precision
 from kvdemo.production import ENGINES, LLAMA_CPP_BITS, production_settings
 
@@ -94,7 +83,7 @@ def test_max_tokens_inverts_sequence_bytes(spec, budget, heads):
 
 
 def test_reference_configs_cover_the_issue_and_match_their_architecture():
-    names = set(memory.model_configs())
+    names = set(configs.model_configs())
     assert {"llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral-7b-v0.3", "smollm2-135m"} <= names
     for path in sorted((ROOT / "assets" / "model_configs").glob("*.json")):
         d = json.loads(path.read_text())
@@ -111,7 +100,7 @@ def test_reference_configs_cover_the_issue_and_match_their_architecture():
 
 
 def test_gpu_presets_are_driver_mib_printed_as_gb():
-    presets = memory.gpu_presets()
+    presets = configs.gpu_presets()
     assert set(presets) == {"l4-24gb", "rtx4090-24gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb"}
     h100 = get_gpu("h100")
     assert h100.memory_bytes == 81_559 * MIB and round(h100.memory_gb, 1) == 85.5
@@ -482,27 +471,32 @@ def test_transformers_quantized_cache_settings_are_accepted_by_transformers():
 
 
 def test_figures_build_with_the_expected_traces():
-    from kvdemo import figures
+    from kvdemo.figures.memory import (
+        headroom_concurrency_figure,
+        headroom_memory_figure,
+        headroom_split_figure,
+        headroom_stacking_figure,
+    )
 
     out = _hr(specs=["full", "int8", "int4", "int2"], gpus=4, context=100_000, users=4)
-    mem = figures.headroom_memory_figure(out)
+    mem = headroom_memory_figure(out)
     names = [t.name for t in mem.data]
     assert names[:4] == ["full", "int8", "int4", "int2"] and "GPU budget" in names
     budget = next(t for t in mem.data if t.name == "GPU budget")
     assert set(budget.y) == {out["curve"]["budget_gb"]}
     full = mem.data[0]
     assert list(full.y) == sorted(full.y) and out["context"] in full.x
-    conc = figures.headroom_concurrency_figure(out)
+    conc = headroom_concurrency_figure(out)
     assert list(conc.data[0].y) == list(out["max_sequences"].values())
-    split = figures.headroom_split_figure(out)
+    split = headroom_split_figure(out)
     assert [t.name for t in split.data] == ["weights", "KV cache", "reserve", "unused"]
     for i in range(4):
         assert sum(t.x[i] for t in split.data) == pytest.approx(out["budget_bytes"] / GB)
-    heat = figures.headroom_stacking_figure(out)
+    heat = headroom_stacking_figure(out)
     assert [list(r) for r in heat.data[0].z] == [
         [out["stacking"][k][b] for b in ("16", "8", "4")] for k in out["stacking"]
     ]
-    over = figures.headroom_split_figure(_hr(specs=["int4"], gpus=1))
+    over = headroom_split_figure(_hr(specs=["int4"], gpus=1))
     assert "over budget" in [t.name for t in over.data]
 
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 from test_families import FAMILIES, INT8_LOGIT_ERROR, PROMPT_SEED, VOCAB, _lm, _model, _prompt
 
-from kvdemo import codebooks, layout, runner
+from kvdemo import calibration, codebooks, layout, runner
 from kvdemo.cache import QuantizedKVCache
-from kvdemo.codebooks import Codebooks, normal_float, weighted_kmeans
+from kvdemo.calibration import weighted_kmeans
+from kvdemo.codebooks import Codebooks, normal_float
 from kvdemo.precision import parse_precision
 from kvdemo.quant import reference
 from kvdemo.quant.reference import E2M1, dequantize, quantize
@@ -607,7 +608,7 @@ def test_calibrate_fits_every_layer_part_and_variant():
     lm = _lm(model)
     ids = torch.randint(3, VOCAB, (256,), generator=torch.Generator().manual_seed(13)).tolist()
     try:
-        books = codebooks.calibrate(lm, ids=ids, bits=(2,))
+        books = calibration.calibrate(lm, ids=ids, bits=(2,))
     finally:
         model.zero_grad(set_to_none=True)
     want = {

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdemo import figures, needle, runner, texts
+from kvdemo import needle, runner, texts
 from kvdemo.cli import needle as needle_cli
+from kvdemo.figures.needle import FULL_MISSED, needle_difference_figure, needle_figures, needle_heatmap_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_NEEDLE = "The secret ingredient in the lighthouse keeper's soup is smoked paprika."
@@ -202,12 +203,12 @@ def test_repeats_in_the_text_report_and_figures():
     assert "seeds: 0..2" in text and "2/3" in text and "1/3" in text  # full found 2 of 3, int2 1 of 3
     assert "full precision itself missed 1 of 3 runs" in text
     assert "vs full, same needles: int2 against full: found rate -33.3% (95% " in text
-    heat = figures.needle_heatmap_figure(out)
+    heat = needle_heatmap_figure(out)
     assert heat.data[0].z[0][0] == pytest.approx(2 / 3) and heat.data[1].z[0][0] == pytest.approx(1 / 3)
-    assert heat.data[1].text[0][0] == f"1/3<br>-2.00<br>({figures.FULL_MISSED} 1)"
-    diff = figures.needle_difference_figure(out)  # same seed against same seed
+    assert heat.data[1].text[0][0] == f"1/3<br>-2.00<br>({FULL_MISSED} 1)"
+    diff = needle_difference_figure(out)  # same seed against same seed
     assert diff.data[0].z[0][0] == pytest.approx(((-1.0 + 0.1) + (-3.0 + 2.0) + (-2.0 + 0.3)) / 3)
-    correct = figures.needle_difference_figure(out, value="correct")
+    correct = needle_difference_figure(out, value="correct")
     assert correct.data[0].z[0][0] == pytest.approx((0 + 0 - 1) / 3)
     table = needle_cli.repeats_markdown(out).split("\n")
     assert table[0].startswith("| precision | found, 3 grids | 95% interval | one grid: fewest..most |")
@@ -310,15 +311,15 @@ def test_save_results_json_and_csv(tmp_path):
 
 def test_figures_from_rows():
     out = _fake_result().to_dict()
-    heat, diff, curve = figures.needle_figures(out)
+    heat, diff, curve = needle_figures(out)
     assert [t.type for t in heat.data] == ["heatmap", "heatmap"]
     assert [list(r) for r in heat.data[1].z] == [[1.0], [0.0]]  # int4: found at depth 0, missed at depth 100
     assert diff.data[0].z[1][0] == pytest.approx(-2.3)  # int4 - full at depth 100
     assert diff.data[0].zmin == -diff.data[0].zmax
     assert [t.name for t in curve.data] == ["full", "int4"]
-    assert figures.needle_heatmap_figure(out, "answer_prob").data[0].z[0][0] == pytest.approx(0.904837, abs=1e-5)
+    assert needle_heatmap_figure(out, "answer_prob").data[0].z[0][0] == pytest.approx(0.904837, abs=1e-5)
     with pytest.raises(ValueError, match="no 'full' rows"):
-        figures.needle_difference_figure(out["rows"][1::2])
+        needle_difference_figure(out["rows"][1::2])
 
 
 # --- prompts on the embedded model's tokenizer ---------------------------------------------------------
@@ -438,7 +439,7 @@ def test_tiny_grid_end_to_end(lm, tmp_path):
     assert any(r.correct for r in result.rows if r.precision == "full")  # the passkey is found at 256 tokens
     paths = needle.save_results(result, tmp_path)
     assert json.loads(Path(paths["json"]).read_text())["rows"][0]["precision"] == "full"
-    assert len(figures.needle_figures(result)) == 3
+    assert len(needle_figures(result)) == 3
 
 
 @pytest.mark.model

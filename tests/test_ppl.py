@@ -286,7 +286,7 @@ def test_a_given_text_is_scored_named_and_reported_row_by_row(lm):
 
 
 def test_table_rows_figure_and_note_say_what_the_report_holds(scored):
-    from kvdemo.figures import ppl_frontier_figure
+    from kvdemo.figures.ppl import ppl_frontier_figure
 
     rows = ppl.result_rows(scored["results"])
     assert [r["precision"] for r in rows] == ["full", "int8", "int2"]

@@ -12,10 +12,11 @@ import pytest
 from conftest import caches_equal
 from streamlit.testing.v1 import AppTest
 
-from kvdemo import figures, needle, prefill_modes, runner
+from kvdemo import needle, prefill_modes, runner
 from kvdemo.chat import ChatSession
 from kvdemo.cli import build_parser, main
 from kvdemo.drift import document_prompt, run_drift
+from kvdemo.figures.memory import headroom_batch_speed_figure, headroom_measured_figure
 from kvdemo.texts import prose
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,10 +161,10 @@ def test_measured_headroom_figures():
         }
         for p, m, f in (("full", 10, 11), ("int4", 30, 33))
     ]
-    bars = figures.headroom_measured_figure(rows)
+    bars = headroom_measured_figure(rows)
     assert [t.name for t in bars.data] == ["measured (real caches)", "formula"]
     assert list(bars.data[0].y) == [10, 30] and list(bars.data[1].y) == [11, 33]
-    speed = figures.headroom_batch_speed_figure(rows)
+    speed = headroom_batch_speed_figure(rows)
     assert [t.name for t in speed.data] == ["full", "int4"] and list(speed.data[1].x) == [1, 2]
 
 

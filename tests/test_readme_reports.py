@@ -206,7 +206,7 @@ def test_bench_prose_figures_match_the_report():
     assert kv and _printed(kv.group(1), report["key_vs_value"]["measures"]["logit_kl@4096"]["ratio"])
 
 
-# --- long contexts and measured headroom (kvdemo.scale) --------------------------------------------------
+# --- long contexts and measured headroom (kvdemo.measured) --------------------------------------------------
 
 
 def test_measured_headroom_table_is_the_reports_table():

@@ -578,7 +578,7 @@ def test_gpu_benchmark_embedded_stand_in(monkeypatch):
 @pytest.mark.model
 @pytest.mark.skipif(DEVICE != "cpu", reason="the smoke run is the interpreter's; on a GPU the benchmark runs for real")
 def test_gpu_benchmark_long_context_smoke(tmp_path):
-    """The long-context section (--smoke: kvdemo.scale's small model at 2304 tokens, int4 and full, its first
+    """The long-context section (--smoke: kvdemo.measured's small model at 2304 tokens, int4 and full, its first
     layer at 4096 tokens, and one row through the Triton query tiles under the interpreter) writes rows
     with their peak memory split, the formula's cache bytes beside the measured ones, and what ran over
     the packed past."""

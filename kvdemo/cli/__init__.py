@@ -54,7 +54,7 @@ def cmd_info(args) -> dict:
 
 
 def cmd_memory(args) -> dict:
-    from ..memory import measure_memory
+    from ..measured import measure_memory
     from ..texts import prose_ids
 
     specs = parse_precision_list(args.precision)

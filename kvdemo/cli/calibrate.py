@@ -8,12 +8,12 @@ import sys
 
 def load(args):
     """The model of `--model`: anything `load_model` takes, or "random" / "random:<config>" (random weights,
-    the shapes of kvdemo.scale.SCALE_MODEL or of a reference config)."""
+    the shapes of kvdemo.measured.SCALE_MODEL or of a reference config)."""
     from ..models import load_model, pick_device, random_model
 
     source = (args.model or "").strip()
     if source == "random" or source.startswith("random:"):
-        from ..scale import SCALE_MODEL
+        from ..measured import SCALE_MODEL
 
         shape = SCALE_MODEL if source == "random" else source.removeprefix("random:")
         return random_model(shape, pick_device(args.device), args.dtype)

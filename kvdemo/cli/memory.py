@@ -7,16 +7,10 @@ from __future__ import annotations
 
 from datetime import date
 
-from ..memory import (
-    GB,
-    MEASURE_TOKENS,
-    WEIGHT_BITS,
-    compare_measured,
-    config_from_model,
-    get_gpu,
-    get_model_config,
-    headroom,
-)
+from ..configs import GB, WEIGHT_BITS, get_gpu, get_model_config
+from ..measured import compare_measured
+from ..memory import MEASURE_TOKENS, headroom
+from ..models import config_from_model
 from ..precision import parse_precision_list
 from ..production import ENGINES
 
@@ -60,9 +54,9 @@ def run_headroom_cli(args) -> dict:
 
 
 def _measured_headroom(args, specs) -> dict:
-    """`headroom --measure --budget-gb G --context N`: real caches admitted into the budget (kvdemo.scale)."""
+    """`headroom --measure --budget-gb G --context N`: real caches admitted into the budget (kvdemo.measured)."""
+    from ..measured import load_scale_model, measure_headroom
     from ..needle import parse_numbers
-    from ..scale import load_scale_model, measure_headroom
 
     if not args.budget_gb or args.budget_gb <= 0:
         raise ValueError("--measure needs --budget-gb G (a memory budget in GB, e.g. 1)")

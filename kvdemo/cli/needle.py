@@ -17,6 +17,7 @@ from ..needle import (
     run_grid,
     save_results,
 )
+from .markdown import paired_markdown
 
 
 def read_document(path: str) -> tuple[str, str]:
@@ -102,8 +103,6 @@ def _command(args) -> str:
 def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name: str = "other") -> str:
     """The quantized precisions of `other` (a `needle --codebooks FILE` report) beside the same precisions in
     `own` (the same grid with the model's own codebooks): cells found and mean answer log-prob under each."""
-    from .ppl import paired_markdown
-
     measures = [
         ("found", lambda s: f"{s['correct']}/{s['cells']}"),
         ("mean log p", lambda s: f"{s['mean_answer_logprob']:.3f}"),

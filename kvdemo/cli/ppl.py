@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..ppl import HELD_OUT_NAME, run_ablation, run_kv_split, run_ppl, split_rows, split_sentence
 from ..precision import parse_precision_list
+from .markdown import paired_markdown
 
 # the memory and decode-speed rows of the ablation report (issue 17's acceptance)
 ABLATION_MEMORY = ("int4", "nuq4:o1", "nuq3:o1", "nuq2:o1", "nuq2:o1:s1", "int3", "nvfp4")
@@ -62,8 +63,8 @@ def run_cli(args) -> dict:
 
 def ablation_memory(lm, tokens: int) -> dict:
     """The live cache holding `tokens` tokens of held-out text at each ABLATION_MEMORY precision, beside the
-    layout formula (`memory.compare_measured`: bytes to the byte) and a 16-bit cache."""
-    from ..memory import compare_measured
+    layout formula (`measured.compare_measured`: bytes to the byte) and a 16-bit cache."""
+    from ..measured import compare_measured
     from ..texts import held_out_ids
 
     return compare_measured(lm, held_out_ids(lm, tokens), ABLATION_MEMORY)
@@ -161,20 +162,6 @@ def markdown_table(out: dict) -> str:
             f"| {r['precision']} | {r['ppl']:.3f} | {r['delta_vs_full']:+.3f} |{interval} {r['logit_kl']:.2e} | "
             f"{r['bits_per_element']:.3f} | {r['ratio_vs_fp16']:.2f}x |"
         )
-    return "\n".join(lines)
-
-
-def paired_markdown(own_rows, other_rows, measures, own_name: str, other_name: str) -> str:
-    """README's table of `other_rows` beside the rows of the same precision in `own_rows` (two runs of one grid,
-    e.g. with two codebook files; full precision left out, it takes no codebook): each measure (title,
-    format of a row) under each run."""
-    by_name = {r["precision"]: r for r in own_rows}
-    head = [f"{title}, {name}" for title, _ in measures for name in (own_name, other_name)]
-    lines = ["| precision | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
-    for r in other_rows:
-        if r["precision"] != "full":
-            pair = (by_name[r["precision"]], r)
-            lines.append(f"| {r['precision']} | " + " | ".join(fmt(x) for _, fmt in measures for x in pair) + " |")
     return "\n".join(lines)
 
 

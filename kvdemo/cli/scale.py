@@ -1,4 +1,4 @@
-"""`python -m kvdemo scale`: long prompts prefilled at each precision, peak memory and time (kvdemo.scale)."""
+"""`python -m kvdemo scale`: long prompts prefilled at each precision, peak memory and time (kvdemo.measured)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 from datetime import date
 from pathlib import Path
 
+from ..measured import SCALE_MODEL, prefill_rows
 from ..needle import parse_numbers
 from ..precision import parse_precision_list
-from ..scale import SCALE_MODEL, prefill_rows
 
 
 def run_cli(args) -> dict:

@@ -10,54 +10,14 @@ only when it is used, so this package imports on machines without it.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 from . import reference
+from .backend import BACKEND_ENV, BACKENDS, BackendError, backend_for, interpreting, triton_available
 from .reference import QuantizedTensor
 
-BACKEND_ENV = "KVDEMO_BACKEND"  # "torch" | "triton" | unset (auto: triton on CUDA when importable)
-BACKENDS = ("torch", "triton")
-
-
-class BackendError(ValueError):
-    """A KVDEMO_BACKEND setting that cannot work here, with what is allowed."""
-
-
-@functools.cache
-def triton_available() -> bool:
-    """True when Triton and the kernels import (probed once)."""
-    try:
-        from . import triton_kernels  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-def backend_for(device: torch.device | str) -> str:
-    """Backend name, "triton" or "torch", for tensors on `device` (KVDEMO_BACKEND forces; auto: triton on CUDA)."""
-    device = torch.device(device)
-    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced and forced not in BACKENDS:
-        raise BackendError(f"{BACKEND_ENV}={forced!r}; allowed: torch, triton")
-    if forced == "torch":
-        return "torch"
-    if forced == "triton":
-        if not triton_available():
-            raise BackendError(f"{BACKEND_ENV}=triton but Triton is not importable; allowed here: torch")
-        if device.type != "cuda" and not interpreting():
-            raise BackendError(
-                f"{BACKEND_ENV}=triton on {device.type} tensors needs TRITON_INTERPRET=1; else use torch or a CUDA device"
-            )
-        return "triton"
-    return "triton" if device.type == "cuda" and triton_available() else "torch"
+__all__ = ["BACKEND_ENV", "BACKENDS", "BackendError", "QuantizedTensor", "backend_for", "interpreting", "quantize"]
+__all__ += ["reference", "triton_available"]
 
 
 def quantize(x: torch.Tensor, fmt: str, axis: str, group: int, **methods) -> QuantizedTensor:

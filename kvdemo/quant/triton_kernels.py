@@ -72,7 +72,8 @@ import triton
 import triton.language as tl
 
 from ..precision import outlier_cap
-from . import interpreting, reference
+from . import reference
+from .backend import interpreting
 from .reference import FP16_MAX, INT_BITS, MIN_SCALE, QuantizedTensor
 
 FP8_CODE = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # constexpr ids of the fp8 formats (0 = integer format)

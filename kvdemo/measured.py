@@ -1,4 +1,7 @@
-"""Long contexts and many sequences, measured rather than computed.
+"""Memory measured on live caches rather than computed: long prompts, many sequences, live bytes.
+
+- `measure_memory` / `compare_measured`: prefill a prompt at each precision and report the cache's live
+  bytes beside a 16-bit cache and beside the layout formula (`layout.region_bytes`, to the byte).
 
 - `prefill_rows`: prefill N tokens at each precision and measure the process's peak memory: what the
   run adds is the packed cache plus a workspace (activations of one chunk, one piece of the past turned
@@ -32,11 +35,14 @@ from pathlib import Path
 
 import torch
 
+from . import memory
 from .batch import decode_batch
 from .cache import QuantizedKVCache
 from .layout import Layout, region_bytes
-from .models import LoadedModel
+from .memory import fp16_cache_bytes, sequence_bytes
+from .models import LoadedModel, config_from_model, load_model, random_model
 from .precision import PrecisionSpec, parse_precision
+from .runner import PREFILL_CHUNK, new_cache, prefill
 
 SCALE_MODEL = {
     "name": "small-llama",
@@ -58,8 +64,6 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # buffers >= 128 KiB get thei
 def load_scale_model(model: str = "random", device: str = "cpu") -> LoadedModel:
     """ "random": SCALE_MODEL with random weights; "random:<config>": a reference config's shapes; else
     anything `load_model` takes (the embedded model, a hub id, a folder)."""
-    from .models import load_model, random_model
-
     if model == "random":
         return random_model(SCALE_MODEL, device)
     if model.startswith("random:"):
@@ -83,8 +87,6 @@ def _reset_peak() -> None:
 @torch.no_grad()
 def measure_prefill(lm: LoadedModel, tokens: int, spec: PrecisionSpec | str, mode: str = "chunked") -> dict:
     """Prefill `tokens` random token ids at `spec` in this process; its peak memory, split into parts."""
-    from .runner import PREFILL_CHUNK, new_cache, prefill
-
     spec = parse_precision(spec)
     ids = torch.randint(1, lm.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
     cache = new_cache(lm, spec)
@@ -129,7 +131,7 @@ def prefill_rows(
     device: str = "cpu",
     on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """`measure_prefill` for every (tokens, precision), each in a fresh process (`python -m kvdemo.scale`)."""
+    """`measure_prefill` for every (tokens, precision), each in a fresh process (`python -m kvdemo.measured`)."""
     rows = []
     for n in tokens:
         for spec in precisions:
@@ -138,7 +140,7 @@ def prefill_rows(
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
             env.update(MALLOC_ENV if device == "cpu" else {})
             done = subprocess.run(
-                [sys.executable, "-m", "kvdemo.scale", job], capture_output=True, text=True, env=env, check=False
+                [sys.executable, "-m", "kvdemo.measured", job], capture_output=True, text=True, env=env, check=False
             )
             if done.returncode:
                 lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
@@ -175,8 +177,6 @@ def fullest_length(
 def sequence_cache(lm: LoadedModel, spec: PrecisionSpec, context: int) -> QuantizedKVCache:
     """A real cache of one sequence at the fullest point on its way to `context` tokens (random states:
     bytes do not depend on values): `context - residual - 1` tokens prefilled, then one at a time."""
-    from .runner import new_cache
-
     bits = 8 * lm.dtype.itemsize
     t = fullest_length(spec, context, lm.num_layers, lm.kv_heads, lm.head_dim, bits)
     start = max(context - spec.residual - 1, 0)
@@ -202,8 +202,6 @@ def measure_headroom(
     """Per precision: sequences of `context` tokens admitted into `budget_bytes` (weights + every admitted
     cache's allocated bytes), beside the formula's count at the model's dtype; decode tokens/s by batch size.
     """
-    from .memory import config_from_model, sequence_bytes
-
     cfg = config_from_model(lm)
     bits = 8 * lm.dtype.itemsize
     weights = lm.weight_bytes()
@@ -257,8 +255,70 @@ def _decode_speeds(lm: LoadedModel, admitted: list, batch_sizes: Sequence[int], 
     return out
 
 
+# --- live bytes of a prefilled cache beside the formulas ----------------------------------------------
+
+
+def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
+    """Prefill `ids` into a cache at each precision; report its live bytes next to a 16-bit cache."""
+    tokens = len(ids)
+    fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, tokens)
+    results = []
+    for spec in specs:
+        spec = parse_precision(spec)
+        cache = new_cache(lm, spec)
+        prefill(lm, ids, cache)
+        nb = cache.nbytes()
+        bits = spec.bits_per_element(lm.head_dim, full_bits=8 * lm.dtype.itemsize)
+        results.append(
+            {
+                "precision": spec.label,
+                "bytes": nb["total"],
+                "bytes_fp16": fp16,
+                "ratio_vs_fp16": round(fp16 / nb["total"], 4),
+                "bits_per_element": round(bits["mean"], 4),
+                "bytes_per_token": round(nb["total"] / tokens, 1),
+                "breakdown": {
+                    k: nb[k] for k in ("codes", "scales", "outliers", "codebooks", "residual", "sinks", "allocated")
+                },
+                "spec": spec.to_dict(),
+            }
+        )
+        del cache
+    return {"model": lm.name, "tokens": tokens, "results": results}
+
+
+def prefill_updates(tokens: int, chunk: int | None = None) -> list[int]:
+    """Tokens per cache update when `runner.prefill` appends `tokens` tokens (chunks of `chunk`)."""
+    chunk = PREFILL_CHUNK if chunk is None else chunk
+    return [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
+
+
+def compare_measured(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
+    """`measure_memory` beside the formulas: exact regions (`layout.region_bytes`) and plain bytes/token x tokens.
+
+    The plain formula ignores the full-precision sinks and residual, so it matches the live cache only
+    when those are empty (sinks 0, tokens a multiple of the group size); the region formula always does.
+    """
+    specs = [parse_precision(s) for s in specs]
+    out = measure_memory(lm, ids, specs)
+    cfg = config_from_model(lm)
+    full_bits = 8 * lm.dtype.itemsize
+    updates = prefill_updates(len(ids))
+    out["dtype"] = str(lm.dtype).replace("torch.", "")
+    for row, spec in zip(out["results"], specs, strict=True):
+        regions = Layout(spec).regions(updates)
+        exact = region_bytes(regions, cfg.layers, cfg.kv_heads, cfg.head_dim, spec, full_bits)
+        plain = memory.bytes_per_token(cfg, spec, full_bits=full_bits) * len(ids)
+        row["layout"] = regions.to_dict()
+        row["formula_bytes"] = exact["total"]
+        row["formula_plain_bytes"] = round(plain)
+        row["error_vs_formula"] = round(row["bytes"] / exact["total"] - 1, 6)
+        row["error_vs_plain"] = round(row["bytes"] / plain - 1, 6)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvdemo.scale JOB`: one `measure_prefill` in this fresh process; prints its row as JSON."""
+    """`python -m kvdemo.measured JOB`: one `measure_prefill` in this fresh process; prints its row as JSON."""
     job = json.loads((argv or sys.argv[1:])[0])
     lm = load_scale_model(job["model"], job.get("device", "cpu"))
     print(json.dumps(measure_prefill(lm, job["tokens"], job["precision"], job["mode"])))

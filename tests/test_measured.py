@@ -1,4 +1,4 @@
-"""Long prompts and many sequences, measured (kvdemo.scale): bounded prefill memory, measured headroom."""
+"""Long prompts and many sequences, measured (kvdemo.measured): bounded prefill memory, measured headroom."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdemo.scale import fullest_length, load_scale_model, measure_headroom, prefill_rows
+from kvdemo.measured import fullest_length, load_scale_model, measure_headroom, prefill_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ def test_prefill_workspace_does_not_grow_with_the_past():
     assert big["cache_bytes"] > 2.5 * small["cache_bytes"]  # the cache grows with the prompt...
     # ...the workspace does not: a whole-past fp32 copy of one layer's keys and values at 12k is 12 MiB
     assert abs(big["workspace_bytes"] - small["workspace_bytes"]) < 4 * 2**20
-    assert all("MALLOC_MMAP_THRESHOLD_=131072" in r["peak_measured_by"] for r in rows)  # see kvdemo.scale
+    assert all("MALLOC_MMAP_THRESHOLD_=131072" in r["peak_measured_by"] for r in rows)  # see kvdemo.measured
     for r in rows:
         assert r["peak_bytes"] == r["weights_bytes"] + r["cache_bytes"] + r["workspace_bytes"]
 
