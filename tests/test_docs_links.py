@@ -50,14 +50,18 @@ def test_relative_links_resolve(path):
         dest = (path.parent / file).resolve() if file else path
         assert dest.is_file(), f"{path.name}: {target} is not a file"
         if anchor:
-            assert dest.suffix == ".md" and anchor in _anchors(dest), f"{path.name}: no heading for #{anchor} in {dest.name}"
+            assert dest.suffix == ".md" and anchor in _anchors(dest), (
+                f"{path.name}: no heading for #{anchor} in {dest.name}"
+            )
 
 
 def test_slugs_follow_github():
     seen: dict[str, int] = {}
     assert _slug("Is the calibration the limit? No.", seen) == "is-the-calibration-the-limit-no"
     assert _slug("What `make test` runs", seen) == "what-make-test-runs"
-    assert _slug("Decode speed on CPU (measured, and its limits)", seen) == "decode-speed-on-cpu-measured-and-its-limits"
+    assert (
+        _slug("Decode speed on CPU (measured, and its limits)", seen) == "decode-speed-on-cpu-measured-and-its-limits"
+    )
     assert _slug("KVQuant's methods, rotation, 3-bit and NVFP4", seen) == "kvquants-methods-rotation-3-bit-and-nvfp4"
     assert _slug("compiled for sm_90", seen) == "compiled-for-sm_90"
     assert _slug("What `make test` runs", seen) == "what-make-test-runs-1"
