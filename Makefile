@@ -1,10 +1,10 @@
-# `make run` serves the app, `make test` runs every test; both set up .venv first.
+# `make run` serves the app, `make test` runs every test, `make test-fast` the quick ones; all set up .venv first.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8501
 
-.PHONY: install run test lint browser clean
+.PHONY: install run test test-fast lint browser clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,10 @@ browser:
 
 test: install browser
 	$(PY) -m pytest -q
+
+# The everyday loop: no model, no browser, no Triton (interpreter or sm_90 compile) tests.
+test-fast: install
+	$(PY) -m pytest -q -m "not model and not browser and not triton"
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

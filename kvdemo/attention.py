@@ -24,7 +24,7 @@ What each model family passes besides the mask (README "Supported model families
   positions p - window < k <= p. transformers' mask already says so once the sequence is longer than the
   window; the window is also ANDed in here, so it holds whoever built the mask;
 - `s_aux` (gpt-oss sinks): one learned logit per head in the softmax denominator, with no value;
-- a value head_dim different from the key head_dim (MLA, DeepSeek-V3) is refused (`models.check_supported`
+- a value head_dim different from the key head_dim (MLA, DeepSeek-V3) is refused (`check_supported`
   at load, and here for a model that reached us another way).
 The Triton kernel takes no mask and no softcap: those calls go to the PyTorch reference.
 """

@@ -30,7 +30,7 @@ values, the numbers quantized kernels would read. The embedded model's weights a
 Q4_1 GGUF (dequantized to fp32 at load): "as loaded" is itself 4-bit-derived.
 
 Results are cached per (model, weights, precision, token sequence, sizes, `CODE_VERSION`) under
-`kvdemo.models.cache_dir() / "findings"`, so a re-run or the page reuses what was measured.
+`kvdemo.configs.cache_dir() / "findings"`, so a re-run or the page reuses what was measured.
 
 References: KIVI (arXiv 2402.02750; per-channel keys, residual window), KVQuant (arXiv 2401.18079;
 per-channel pre-RoPE keys, sinks), StreamingLLM (arXiv 2309.17453; attention sinks), llama.cpp's

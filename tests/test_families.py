@@ -4,8 +4,8 @@ Each supported family: `full` logits equal the model's own eager forward (prefil
 step, fp32), and `int8` greedy output equals `full` for 32 tokens with quantized blocks in the cache.
 Sliding-window layers attend only inside their window (a token outside it has no influence), Gemma-2's
 logit softcap changes the numbers and is applied, gpt-oss's sinks are applied. A model whose value
-head_dim differs from its key head_dim is refused at load with one line. README "Supported model
-families" lists the same rows.
+head_dim differs from its key head_dim is refused at load with one line. docs/models.md, "Supported
+model families", lists the same rows.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _eager_logits(model, ids) -> torch.Tensor:
         attention.use_kvdemo_attention(model)
 
 
-TOLERANCE = 1e-4  # fp32: measured max |diff| is ~1e-6 (README)
+TOLERANCE = 1e-4  # fp32: measured max |diff| is ~1e-6 (docs/models.md)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -178,13 +178,13 @@ def test_shipped_report_is_complete():
         assert (findings.REPORT_DIR / name).is_file()
 
 
-def test_readme_verdict_table_matches_the_shipped_report():
+def test_docs_verdict_table_matches_the_shipped_report():
     shipped = findings.load()
     if shipped is None:
         pytest.skip("no shipped report yet")
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    page = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
     for row in report.verdict_rows(shipped):
-        assert f"| {row['claim']} | {row['verdict']} | {row['numbers']} |" in readme, row["claim"]
+        assert f"| {row['claim']} | {row['verdict']} | {row['numbers']} |" in page, row["claim"]
 
 
 # --- files ------------------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_pdf_has_a_page_or_more_per_claim(tmp_path):
     files = report.write_report(fake(), tmp_path)
     pages = len(PdfReader(files["pdf"]).pages)
     assert pages >= len(findings.CLAIMS) + 1  # the verdict table, then each claim from a new page
-    for name in report.README_FIGURES:  # README's figures come from the same command
+    for name in report.README_FIGURES:  # docs/findings.md's figures come from the same command
         png = Path(files[name]).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
 
@@ -265,7 +265,7 @@ TINY = findings.TINY
 
 @pytest.mark.model
 def test_tiny_run_measures_and_reuses_its_cache(lm, tmp_path, monkeypatch):
-    monkeypatch.setattr("kvdemo.models.cache_dir", lambda: tmp_path)
+    monkeypatch.setattr("kvdemo.configs.cache_dir", lambda: tmp_path)
     messages = []
 
     def run():

@@ -1,4 +1,4 @@
-"""Why the Streamlit pages live in app_pages/, not pages/ (README, "Architecture")."""
+"""Why the Streamlit pages live in app_pages/, not pages/ (docs/architecture.md)."""
 
 from streamlit.runtime.pages_manager import PagesManager
 

@@ -1,4 +1,4 @@
-"""bench/scalar_floor.py: the per-block oracle key code (the floor README's "Is the code the limit?" rests on)."""
+"""bench/scalar_floor.py: the per-block oracle key code (the floor docs/methods-passkey.md's "Is the key code the limit?" rests on)."""
 
 import sys
 from pathlib import Path
