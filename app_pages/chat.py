@@ -8,10 +8,10 @@ import html
 import streamlit as st
 
 from app_pages import common
-from kvdemo.chat import ChatError, ChatSession, Turn, divergence_split
-from kvdemo.lanes import Answer
+from kvdemo.chat.lane import Answer
+from kvdemo.chat.session import ChatError, ChatSession, Turn, divergence_split
 from kvdemo.prefill_modes import MODE_HELP
-from kvdemo.progress import Cancelled
+from kvdemo.progress import Cancelled, Progress
 from kvdemo.runner import PREFILL_MODES
 from kvdemo.sizes import cache_caption
 
@@ -127,8 +127,8 @@ status = st.empty()
 progress = st.empty()
 
 
-def on_progress(label: str, done: int, total: int) -> None:
-    progress.progress(done / total if total else 1.0, text=f"{label}: reading {total:,} tokens")
+def on_progress(p: Progress) -> None:
+    progress.progress(p.fraction, text=p.text())
 
 
 def on_wait(seconds: float) -> None:

@@ -4,7 +4,7 @@ status card, the current document (upload or bundled sample) and small display h
 Layout only: loading, parsing, quantizing and generating all happen in `kvdemo`. Everything a
 session owns (its chat, its document, its precision) lives in `st.session_state`, so sessions never
 see each other's data; the loaded model is shared through `st.cache_resource` and guarded by its lock
-(`kvdemo.chat.model_lock`) for one generation at a time.
+(`kvdemo.models.model_lock`) for one generation at a time.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import streamlit as st
 import torch
 
 from kvdemo import prefill_modes
-from kvdemo.chat import model_lock, quantized_presets
-from kvdemo.models import DTYPES, LoadedModel, ModelLoadError, load_model
+from kvdemo.chat.session import quantized_presets
+from kvdemo.documents import DocumentError, HeldDocument, document_budget, extract_bytes, hold_document, truncation_note
+from kvdemo.models import DTYPES, LoadedModel, ModelLoadError, load_model, model_lock
 from kvdemo.precision import (
     DEFAULT_GROUP,
     DEFAULT_RESIDUAL,
@@ -42,7 +43,6 @@ DEFAULT_PRESET = "int4"
 MAX_OUTLIERS = 5.0  # percent of the elements the sidebar lets stay exact
 AS_PRESET = "as the preset"  # the key / value format selects' default: the preset's own format
 DEFAULT_MODEL_KEY = ("embedded", "auto", "auto")  # (source, device, dtype)
-CHAT_RESERVE = 1024  # tokens of the context kept free for the conversation when a document is fitted
 SAMPLE_TOKENS = 1024  # default length of the bundled sample document
 PERSISTED = "_persisted_widget_keys"
 DOC_TYPES = ["txt", "text", "md", "markdown", "pdf", "docx", "html", "htm"]
@@ -214,8 +214,8 @@ def _calibrate(lm: LoadedModel, document: tuple[str, str] | None = None) -> None
 
     bar = st.progress(0.0, text="Calibrating: one forward and one backward pass, then the k-means per layer")
 
-    def progress(what: str, fraction: float) -> None:
-        bar.progress(min(max(fraction, 0.0), 1.0), text=f"Calibrating: {what}")
+    def progress(p: Progress) -> None:
+        bar.progress(p.fraction, text=f"Calibrating: {p.text()}")
 
     result = run_exclusive(lm, lambda: calibrate_to_file(lm, on_progress=progress, document=document))
     bar.empty()
@@ -296,36 +296,11 @@ def _keep_persisted() -> None:
 
 # --- the current document -------------------------------------------------------------------------
 PENDING = "document_pending"  # a new document waiting for the user to confirm it replaces one in use
-EXACT_COUNT_CHARS = 200_000  # a cut document's original tokens are counted up to this length, estimated beyond
 
 
-def document() -> dict | None:
-    """The session's current document: {name, text, tokens, truncated, warnings, source}, or None."""
+def document() -> HeldDocument | None:
+    """The session's current document (`kvdemo.documents.HeldDocument`), or None."""
     return st.session_state.get("document")
-
-
-def _new_document(name: str, text: str, lm: LoadedModel, budget: int, source: str, warnings: list[str]) -> dict:
-    """The document as the app keeps it: `text` fitted to `budget` tokens, with the size of the original."""
-    from kvdemo.documents import count_tokens, fit_to_context
-
-    fitted, tokens, cut = fit_to_context(text, lm.tokenizer, budget)
-    original, exact = tokens, True
-    if cut:  # counting a long text costs seconds on a CPU: beyond EXACT_COUNT_CHARS, scale the kept part
-        exact = len(text) <= EXACT_COUNT_CHARS or not fitted
-        original = count_tokens(text, lm.tokenizer) if exact else round(tokens * len(text) / len(fitted))
-    return {
-        "name": name,
-        "text": fitted,
-        "tokens": tokens,
-        "truncated": cut,
-        "budget": budget,
-        "original_tokens": original,
-        "original_tokens_exact": exact,
-        "original_chars": len(text),
-        "warnings": list(warnings),
-        "source": source,
-        "model": lm.name,
-    }
 
 
 def _offer_document(doc: dict, replacing_ends: str) -> None:
@@ -358,9 +333,7 @@ def document_picker(lm: LoadedModel, key: str = "doc", replacing_ends: str = "")
     `replacing_ends` says what a new document would end (e.g. "the conversation (2 questions)"): when
     it is set, a new document waits until the user confirms it replaces the current one.
     """
-    from kvdemo.documents import DocumentError, extract_bytes
-
-    budget = max(lm.max_context - CHAT_RESERVE, 256)
+    budget = document_budget(lm.max_context)
     persist(f"{key}_source", "sample")
     if persist(f"{key}_sample_tokens", min(SAMPLE_TOKENS, budget)) > budget:  # a model with a shorter context
         st.session_state[f"{key}_sample_tokens"] = budget
@@ -381,7 +354,7 @@ def document_picker(lm: LoadedModel, key: str = "doc", replacing_ends: str = "")
         if (wanted or current["model"] != lm.name) and (pending is None or pending["name"] != name):
             from kvdemo.texts import prose
 
-            _offer_document(_new_document(name, prose(), lm, int(n), "sample", []), replacing_ends)
+            _offer_document(hold_document(name, prose(), lm.tokenizer, int(n), "sample", [], lm.name), replacing_ends)
         elif not wanted and pending is not None:
             st.session_state.pop(PENDING)  # back to the current sample's length
     else:
@@ -394,7 +367,7 @@ def document_picker(lm: LoadedModel, key: str = "doc", replacing_ends: str = "")
                 parsed = extract_bytes(up.getvalue(), up.name)
                 if not parsed.text.strip():
                     raise DocumentError("no text found in the file")
-                doc = _new_document(parsed.name, parsed.text, lm, budget, "upload", parsed.warnings)
+                doc = hold_document(parsed.name, parsed.text, lm.tokenizer, budget, "upload", parsed.warnings, lm.name)
                 _offer_document(doc, replacing_ends)
             except DocumentError as err:
                 st.session_state["doc_error"] = f"{up.name}: {err}"
@@ -439,14 +412,7 @@ def _document_notes(doc: dict, lm: LoadedModel) -> None:
     for w in doc["warnings"]:
         st.warning(w)
     if doc["truncated"] and doc["source"] == "upload":
-        about = "" if doc.get("original_tokens_exact", True) else "about "
-        original_tokens = doc.get("original_tokens", doc["tokens"])
-        original_chars = doc.get("original_chars", len(doc["text"]))
-        st.warning(
-            f"The document is longer than fits: kept its first {doc['tokens']:,} of {about}{original_tokens:,} "
-            f"tokens ({len(doc['text']):,} of {original_chars:,} characters). The model's context is "
-            f"{lm.max_context:,} tokens, {lm.max_context - doc['budget']:,} of them kept for the conversation."
-        )
+        st.warning(truncation_note(doc, lm.max_context))
     st.caption(f"**{doc['name']}**: {doc['tokens']:,} tokens, {len(doc['text']):,} characters")
 
 
@@ -575,7 +541,7 @@ def precision_picker(label: str, key: str, default: list[str], where=st, leave_o
     st.session_state[key] = [p for p in wanted if p in choices]
     picked = where.multiselect(
         label, choices, key=key, accept_new_options=True,
-        help="pick presets or type any precision string, e.g. knuq4vnuq2:o1 or int4:g64:s4 (README: Precision strings)",
+        help="pick presets or type any precision string, e.g. knuq4vnuq2:o1 or int4:g64:s4 (docs/precision.md)",
     )  # fmt: skip
     labels = []
     for text in picked:

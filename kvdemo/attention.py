@@ -17,7 +17,7 @@ lengths (kvdemo/batch.py) arrives as a `BatchView` and attends sequence by seque
 
 Plain tensors (a DynamicCache, or no cache) go to transformers' own SDPA unchanged.
 
-What each model family passes besides the mask (README "Supported model families"):
+What each model family passes besides the mask (docs/models.md, "Supported model families"):
 - `softcap` (Gemma-2): logits become tanh(s / c) * c before the softmax, in every path: prefill and long
   blocks by exact fp32 attention (SDPA has no softcap), the packed past by the PyTorch reference;
 - `sliding_window` (Mistral, Phi-3, Gemma-2/3 local layers): a query at position p sees keys at

@@ -27,7 +27,7 @@ gradients kept). Mistakes a user can make raise ValueError with the reason.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from .codebooks import Codebooks, tensor_name
 from .documents import extract_file, token_ids
 from .models import IdsOnlyTokenizer
 from .precision import outlier_cap
+from .progress import ProgressFn, StopFn, Tracker
 from .quant.reference import _grouped, _mask, _nuq_scale, _ranges, outlier_picks
 from .quant.rotations import Rope
 from .runner import attention_impl
@@ -156,21 +157,24 @@ def calibrate(
     lm,
     ids: Sequence[int] | None = None,
     bits: Sequence[int] = BITS,
-    on_progress: Callable[[str, float], None] | None = None,
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
 ) -> Codebooks:
-    """Fit every codebook of a model (nuq2/3/4, plain and `.o`, keys also before RoPE where the model allows)."""
+    """Fit every codebook of a model (nuq2/3/4, plain and `.o`, keys also before RoPE where the model allows).
+    Progress counts steps: the forward and backward pass, then one per layer."""
     t0 = time.perf_counter()
     ids = list(ids) if ids is not None else prose_ids(lm, CALIB_TOKENS)
-    report = on_progress or (lambda what, frac: None)
-    report("forward and backward pass", 0.0)
+    track = Tracker(lm.num_layers + 1, "steps", on_progress, should_stop)
+    track.report("forward and backward pass")
     captured = capture(lm, ids)
+    track.advance("forward and backward pass")
     try:
         rope = Rope.from_model(lm.model)
     except ValueError:
         rope = None
     tensors = {}
     for i, layer in enumerate(captured):
-        report(f"layer {i + 1} of {len(captured)}", (i + 1) / (len(captured) + 1))
+        track.check("calibration")
         parts = [
             ("value", layer["value"], layer["value_grad"] ** 2, False),
             ("key", layer["key"], layer["key_grad"] ** 2, False),
@@ -184,6 +188,7 @@ def calibrate(
                 for b in bits:  # 2 bits: 4 levels, two pinned to the ends would leave 2 for the bulk
                     levels = weighted_kmeans(samples, weights, 1 << b, ends=b > 2)
                     tensors[tensor_name(i, part, b, outliers, pre_rope)] = levels.half()
+        track.advance(f"k-means of layer {i + 1} of {len(captured)}")
     meta = {
         "model": lm.name,
         "source": lm.source,
@@ -193,7 +198,6 @@ def calibrate(
         "date": time.strftime("%Y-%m-%d"),
         "layers": str(len(captured)),
     }
-    report("done", 1.0)
     return Codebooks(tensors, meta)
 
 
@@ -267,7 +271,7 @@ def calibrate_to_file(
     lm,
     tokens: int | None = None,
     out: str | Path | None = None,
-    on_progress: Callable[[str, float], None] | None = None,
+    on_progress: ProgressFn | None = None,
     text: str = PROSE,
     document: tuple[str, str] | None = None,
 ) -> dict:

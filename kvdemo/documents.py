@@ -32,6 +32,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import TypedDict
 
 MAX_UPLOAD_MB = 25  # also `[server] maxUploadSize` in .streamlit/config.toml (Streamlit counts MiB)
 MAX_UPLOAD_BYTES = MAX_UPLOAD_MB * 1024 * 1024
@@ -613,3 +614,68 @@ def extract_file(path: str | Path, max_bytes: int = MAX_UPLOAD_BYTES) -> Documen
     if size > max_bytes:
         raise DocumentError(f"file is {_mb(size)} MB; the limit is {_mb(max_bytes)} MB")
     return extract_bytes(p.read_bytes(), p.name, max_bytes)
+
+
+# --- the document the app holds: fitted to the model's context ------------------------------------------
+CHAT_RESERVE = 1024  # tokens of the context kept free for the conversation when a document is fitted
+MIN_BUDGET = 256  # the fewest tokens of a document the app keeps, whatever the model's context
+EXACT_COUNT_CHARS = 200_000  # a cut document's original tokens are counted up to this length, estimated beyond
+
+
+class HeldDocument(TypedDict):
+    """A document as the app holds it: its text fitted to `budget` tokens, with the size of the original."""
+
+    name: str
+    text: str  # the kept text (the whole document when it fits)
+    tokens: int  # tokens of `text`
+    truncated: bool  # whether the original was cut to fit
+    budget: int  # the most tokens it could keep
+    original_tokens: int  # tokens of the whole original (estimated beyond EXACT_COUNT_CHARS)
+    original_tokens_exact: bool
+    original_chars: int
+    warnings: list[str]  # what extraction noticed (scanned pages, missing text, ...)
+    source: str  # "sample" | "upload"
+    model: str  # the model whose tokenizer counted it
+
+
+def document_budget(max_context: int) -> int:
+    """Tokens of a document the app keeps for a model: its context less what the conversation needs."""
+    return max(max_context - CHAT_RESERVE, MIN_BUDGET)
+
+
+def hold_document(
+    name: str, text: str, tokenizer, budget: int, source: str, warnings: list[str], model: str
+) -> HeldDocument:
+    """`text` fitted to `budget` tokens (`fit_to_context`), with the original's size: counted exactly up to
+    EXACT_COUNT_CHARS characters (counting a long text costs seconds on a CPU), scaled from the kept part
+    beyond."""
+    fitted, tokens, cut = fit_to_context(text, tokenizer, budget)
+    original, exact = tokens, True
+    if cut:
+        exact = len(text) <= EXACT_COUNT_CHARS or not fitted
+        original = count_tokens(text, tokenizer) if exact else round(tokens * len(text) / len(fitted))
+    return HeldDocument(
+        name=name,
+        text=fitted,
+        tokens=tokens,
+        truncated=cut,
+        budget=budget,
+        original_tokens=original,
+        original_tokens_exact=exact,
+        original_chars=len(text),
+        warnings=list(warnings),
+        source=source,
+        model=model,
+    )
+
+
+def truncation_note(doc: HeldDocument, max_context: int) -> str:
+    """What a cut document lost, in one sentence (empty when nothing was cut)."""
+    if not doc["truncated"]:
+        return ""
+    about = "" if doc["original_tokens_exact"] else "about "
+    return (
+        f"The document is longer than fits: kept its first {doc['tokens']:,} of {about}{doc['original_tokens']:,} "
+        f"tokens ({len(doc['text']):,} of {doc['original_chars']:,} characters). The model's context is "
+        f"{max_context:,} tokens, {max_context - doc['budget']:,} of them kept for the conversation."
+    )

@@ -15,6 +15,9 @@ import os
 import shutil
 import socket
 import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -25,10 +28,15 @@ from .attention import ModelLoadError, check_supported, use_kvdemo_attention
 from .configs import MODEL_CONFIG_DIR, ModelConfig, cache_dir, get_model_config
 from .layout import bytes_per_token
 from .precision import PrecisionSpec
+from .progress import Cancelled, StopFn
 
 DEFAULT_MODEL = "embedded"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct (embedded, GGUF Q4_1)"
+LOCK_POLL_S = 0.25  # how often a run waiting for the model re-checks the lock, `should_stop` and calls `on_wait`
+
+WaitCallback = Callable[[float], None]  # seconds waited so far for another user's run
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -386,3 +394,31 @@ def random_model(shape: str | dict, device: torch.device | str = "cpu", dtype: s
     use_kvdemo_attention(model)
     label = f"{shape.get('display_name', shape['name'])} shapes, random weights"
     return LoadedModel(model, IdsOnlyTokenizer(), label, f"random:{shape['name']}", device, dt)
+
+
+@contextmanager
+def model_lock(
+    lm: LoadedModel,
+    on_wait: WaitCallback | None = None,
+    should_stop: StopFn | None = None,
+    poll_s: float = LOCK_POLL_S,
+) -> Iterator[float]:
+    """Hold `lm.lock` (one generation at a time per loaded model); yields the seconds spent waiting.
+
+    While another generation holds it, `on_wait(seconds)` is called every `poll_s` and
+    `should_stop()` is polled: if it returns True, `progress.Cancelled` is raised without the lock.
+    """
+    lock: threading.Lock = lm.lock
+    start = time.perf_counter()
+    if not lock.acquire(blocking=False):
+        while True:
+            if on_wait is not None:
+                on_wait(time.perf_counter() - start)
+            if should_stop is not None and should_stop():
+                raise Cancelled("cancelled while waiting for another user's generation")
+            if lock.acquire(timeout=poll_s):
+                break
+    try:
+        yield time.perf_counter() - start
+    finally:
+        lock.release()

@@ -175,7 +175,7 @@ def test_chat_turn_gives_two_answers_and_followup_reuses_caches():
 
 
 def test_out_of_memory_in_chat_shows_hint_and_keeps_chat(monkeypatch):
-    import kvdemo.lanes as lanes
+    import kvdemo.chat.lane as lanes
 
     at = chat_app()
     ask(at, "When is the budget review?")
@@ -195,7 +195,7 @@ def test_out_of_memory_in_chat_shows_hint_and_keeps_chat(monkeypatch):
 
 
 def test_stop_mid_answer_releases_lock_and_next_turn_works(monkeypatch):
-    import kvdemo.lanes as lanes
+    import kvdemo.chat.lane as lanes
 
     at = chat_app(max_new=6)
     real = lanes.prefill
@@ -663,6 +663,7 @@ def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatc
     import torch
 
     from kvdemo import calibration, codebooks
+    from kvdemo.progress import Progress
 
     monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(codebooks, "ASSET_DIR", tmp_path / "no-shipped-files")
@@ -670,8 +671,8 @@ def test_calibrate_button_fits_saves_and_keeps_the_document(tmp_path, monkeypatc
 
     def fake_calibrate(lm, ids=None, bits=calibration.BITS, on_progress=None):
         calls.append(len(ids))
-        for frac in (0.0, 0.5, 1.0):
-            on_progress("layer", frac)
+        for done in (0, 1, 2):
+            on_progress(Progress(done, 2, "steps", "layer", 1.0))
         levels = torch.linspace(-1, 1, 8).half()
         meta = {"layers": str(lm.num_layers), "calibration_tokens": str(len(ids)), "date": "today", "seconds": "1"}
         return codebooks.Codebooks({codebooks.tensor_name(0, "key", 3, False, False): levels}, meta)

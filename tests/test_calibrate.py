@@ -24,7 +24,7 @@ def test_calibrate_to_the_user_folder_is_what_nuq_caches_find(tmp_path, monkeypa
     lm = random_model(SCALE_MODEL, "cpu")
     assert not codebooks.for_model(lm).fitted
     seen = []
-    out = calibrate_to_file(lm, tokens=TOKENS, on_progress=lambda what, frac: seen.append(frac))
+    out = calibrate_to_file(lm, tokens=TOKENS, on_progress=lambda p: seen.append(p.fraction))
     path = tmp_path / "codebooks" / "random_small-llama.safetensors"
     assert out["path"] == str(path) == str(default_path(lm)) and path.is_file()
     assert out["tensors"] == 2 * PER_LAYER and out["bytes"] == path.stat().st_size and out["tokens"] == TOKENS
@@ -46,7 +46,9 @@ def test_cli_writes_the_file_and_reports_it(tmp_path, capsys):
     out = json.loads(captured.out)
     assert out["path"] == str(target) and target.stat().st_size == out["bytes"] > 0
     assert out["tensors"] == 2 * PER_LAYER and out["seconds"] > 0 and out["layers"] == 2
-    assert "forward and backward pass" in captured.err and "[100%] done" in captured.err  # progress on stderr
+    assert (
+        "forward and backward pass" in captured.err and "[100%] 3/3 steps: k-means of layer 2" in captured.err
+    )  # progress on stderr
     books = codebooks.Codebooks.load(target)
     assert len(books.tensors) == 2 * PER_LAYER
     for name, levels in books.tensors.items():

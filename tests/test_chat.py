@@ -1,4 +1,4 @@
-"""kvdemo.chat and kvdemo.lanes: prefix reuse across turns, two lanes streaming together, where an answer
+"""kvdemo.chat (session and lane): prefix reuse across turns, two lanes streaming together, where an answer
 ends, cancel, OOM injection, the model lock, concurrency."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvdemo import lanes
-from kvdemo.chat import ChatError, ChatSession, divergence_split, model_lock
-from kvdemo.lanes import Answer, Decoding, Lane, ends_sentence
+from kvdemo.chat import lane as lanes
+from kvdemo.chat.lane import Answer, Decoding, Lane, ends_sentence
+from kvdemo.chat.session import ChatError, ChatSession, divergence_split
+from kvdemo.models import model_lock
 from kvdemo.precision import parse_precision
 from kvdemo.progress import Cancelled
 from kvdemo.runner import chat_ids, first_divergence, run_precision
@@ -116,9 +117,14 @@ def session(lm):
 @pytest.mark.model
 def test_prepare_then_followups_feed_only_new_tokens(lm, session):
     doc_ids = chat_ids(lm, session.history()["full"], add_generation_prompt=False)
-    assert session.prepare() == {"full": len(doc_ids), "int4:g32:r32": len(doc_ids)}
+    read = []
+    assert session.prepare(on_progress=read.append) == {"full": len(doc_ids), "int4:g32:r32": len(doc_ids)}
+    assert read[-1].unit == "tokens" and read[-1].done == read[-1].total == 2 * len(doc_ids)  # both lanes, counted
+    assert read[0].what.startswith("full: reading") and read[-1].what.startswith("int4:g32:r32: reading")
     assert session.prepare() == {"full": 0, "int4:g32:r32": 0}  # already prefilled: nothing fed
-    first = session.ask("Who founded Zorblat?", max_new_tokens=NEW)
+    asked = []
+    first = session.ask("Who founded Zorblat?", max_new_tokens=NEW, on_progress=asked.append)
+    assert asked[-1].done == asked[-1].total == sum(a.fed_tokens for a in first.answers)  # only the new tokens
     second = session.ask("How many employees does it have?", max_new_tokens=NEW)
     for turn in (first, second):
         assert [a.precision for a in turn.answers] == ["full", "int4:g32:r32"]

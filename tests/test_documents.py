@@ -28,8 +28,12 @@ from kvdemo.documents import (
     MAX_UPLOAD_MB,
     Document,
     DocumentError,
+    count_tokens,
+    document_budget,
     extract_bytes,
     fit_to_context,
+    hold_document,
+    truncation_note,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -522,3 +526,25 @@ def test_cli_missing_file_and_oversized_file(tmp_path):
 def test_document_dataclass_counts_characters():
     doc = Document(name="n", kind="txt", text="abc")
     assert doc.characters == 3 and doc.warnings == []
+
+
+def test_held_document_counts_the_original_and_says_what_was_cut(monkeypatch):
+    tok = WordTokenizer()
+    whole = hold_document("short.txt", "one two three", tok, 100, "upload", [], "m")
+    assert (whole["tokens"], whole["truncated"], whole["original_tokens"]) == (3, False, 3)
+    assert truncation_note(whole, 2048) == ""
+    cut = hold_document("long.txt", LONG, tok, 1000, "upload", ["scanned page 3"], "m")
+    assert cut["truncated"] and cut["tokens"] <= 1000 < cut["original_tokens"] == count_tokens(LONG, tok)
+    assert cut["original_tokens_exact"] and cut["warnings"] == ["scanned page 3"] and cut["original_chars"] == len(LONG)
+    note = truncation_note(cut, 2024)
+    assert f"kept its first {cut['tokens']:,} of {cut['original_tokens']:,} tokens" in note
+    assert "2,024 tokens, 1,024 of them kept for the conversation" in note
+    monkeypatch.setattr(documents, "EXACT_COUNT_CHARS", 10)  # beyond it the original is scaled from the kept part
+    guessed = hold_document("long.txt", LONG, tok, 1000, "upload", [], "m")
+    assert not guessed["original_tokens_exact"] and "of about " in truncation_note(guessed, 2024)
+    assert guessed["original_tokens"] == round(guessed["tokens"] * len(LONG) / len(guessed["text"]))
+
+
+def test_document_budget_keeps_room_for_the_conversation():
+    assert document_budget(8192) == 8192 - documents.CHAT_RESERVE
+    assert document_budget(512) == documents.MIN_BUDGET  # a short context still holds a document

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("kvdemo.codebooks", "kvdemo.cache")),
     ("attention", ("kvdemo.attention",)),
     ("models", ("kvdemo.models",)),
-    ("runner", ("kvdemo.runner", "kvdemo.batch", "kvdemo.lanes")),
+    ("runner", ("kvdemo.runner", "kvdemo.batch")),
     (
         "measures",
         (

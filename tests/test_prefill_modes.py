@@ -13,7 +13,7 @@ from conftest import caches_equal
 from streamlit.testing.v1 import AppTest
 
 from kvdemo import needle, prefill_modes, runner
-from kvdemo.chat import ChatSession
+from kvdemo.chat.session import ChatSession
 from kvdemo.cli import build_parser, main
 from kvdemo.drift import document_prompt, run_drift
 from kvdemo.figures.memory import headroom_batch_speed_figure, headroom_measured_figure

@@ -22,9 +22,10 @@ def load(args):
 
 def run_cli(args) -> dict:
     from ..calibration import calibrate_to_file
+    from ..progress import Progress
 
-    def progress(what: str, fraction: float) -> None:
-        print(f"[{fraction:4.0%}] {what}", file=sys.stderr, flush=True)
+    def progress(p: Progress) -> None:
+        print(f"[{p.fraction:4.0%}] {p.text()}", file=sys.stderr, flush=True)
 
     lm = load(args)
     return calibrate_to_file(

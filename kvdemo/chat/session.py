@@ -1,6 +1,6 @@
 """Chat over one document, answered at full precision and at a chosen KV precision, side by side.
 
-A `ChatSession` holds a document, a conversation and two *lanes* (`kvdemo/lanes.py`), one per
+A `ChatSession` holds a document, a conversation and two *lanes* (`kvdemo/chat/lane.py`), one per
 precision: each has its own `QuantizedKVCache`, the token ids that cache holds, and its own
 conversation (its own earlier answers, as a user of a server running that precision would see them).
 The document sits in the system message, so `prepare()` can prefill it before the first question;
@@ -10,8 +10,8 @@ lane is re-prefilled from scratch). A follow-up question on a 6k-token document 
 dozen tokens, not 6k. Both lanes prefill, then decode one token each in turn, so both answers stream
 together, each timed on its own decode steps.
 
-Reliability (issue 7):
-- one generation at a time per loaded model: `model_lock()` holds `LoadedModel.lock`, polling with a
+Reliability:
+- one generation at a time per loaded model: `models.model_lock()` holds `LoadedModel.lock`, polling with a
   timeout so a caller can show "waiting for another user" (`on_wait`) and cancel (`should_stop`);
 - cancellation (`should_stop`, or any exception raised by a callback, e.g. Streamlit's rerun on a
   Stop click or a page change) keeps the partial turn, releases the lock and leaves every cache in a
@@ -25,34 +25,21 @@ No Streamlit here: the Chat page (app_pages/chat.py) and tests drive this module
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .lanes import (
-    Answer,
-    Decoding,
-    Lane,
-    ProgressCallback,
-    StopCallback,
-    TokenCallback,
-    decode_together,
-    free_memory,
-)
-from .models import LoadedModel
-from .precision import PRESETS, PrecisionSpec, parse_precision
-from .progress import Cancelled
-from .runner import PREFILL_CHUNK, PREFILL_MODES, chat_ids, first_divergence, stop_token_ids
+from ..models import LoadedModel, WaitCallback, model_lock
+from ..precision import PRESETS, PrecisionSpec, parse_precision
+from ..progress import ProgressFn, StopFn, Tracker
+from ..runner import PREFILL_CHUNK, PREFILL_MODES, chat_ids, first_divergence, stop_token_ids
+from .lane import Answer, Decoding, Lane, TokenCallback, decode_together, free_memory
 
 SYSTEM_PROMPT = "Answer the user's questions about the document below. Be brief and quote the document when you can."
 NO_DOCUMENT_PROMPT = "You are a helpful assistant. Be brief."
-LOCK_POLL_S = 0.25  # how often a waiting turn re-checks the lock, `should_stop` and calls `on_wait`
 OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
-
-WaitCallback = Callable[[float], None]  # seconds waited so far for another user's generation
 
 
 class ChatError(ValueError):
@@ -77,34 +64,6 @@ class Turn:
         for a, row in zip(self.answers, d["answers"], strict=True):
             row["decode_tok_s"] = round(a.decode_tok_s, 3)
         return d
-
-
-@contextmanager
-def model_lock(
-    lm: LoadedModel,
-    on_wait: WaitCallback | None = None,
-    should_stop: StopCallback | None = None,
-    poll_s: float = LOCK_POLL_S,
-) -> Iterator[float]:
-    """Hold `lm.lock` (one generation at a time per loaded model); yields the seconds spent waiting.
-
-    While another generation holds it, `on_wait(seconds)` is called every `poll_s` and
-    `should_stop()` is polled: if it returns True, `progress.Cancelled` is raised without the lock.
-    """
-    lock: threading.Lock = lm.lock
-    start = time.perf_counter()
-    if not lock.acquire(blocking=False):
-        while True:
-            if on_wait is not None:
-                on_wait(time.perf_counter() - start)
-            if should_stop is not None and should_stop():
-                raise Cancelled("cancelled while waiting for another user's generation")
-            if lock.acquire(timeout=poll_s):
-                break
-    try:
-        yield time.perf_counter() - start
-    finally:
-        lock.release()
 
 
 class ChatSession:
@@ -215,13 +174,15 @@ class ChatSession:
     # --- running ----------------------------------------------------------------------------------
     def prepare(
         self,
-        on_progress: ProgressCallback | None = None,
-        should_stop: StopCallback | None = None,
+        on_progress: ProgressFn | None = None,
+        should_stop: StopFn | None = None,
         on_wait: WaitCallback | None = None,
     ) -> dict[str, int]:
-        """Prefill each lane's conversation so far (the document) now; returns the tokens fed per lane."""
+        """Prefill each lane's conversation so far (the document) now; returns the tokens fed per lane.
+        `on_progress` counts the tokens read, every lane's together."""
         plans = [chat_ids(self.lm, lane.messages, add_generation_prompt=False) for lane in self._lanes]
         self._check_context(max(map(len, plans)), 0)
+        track = self._tracker(plans, on_progress, only_new=True)
         fed = {}
         with (
             self._running,
@@ -231,7 +192,7 @@ class ChatSession:
             for lane, ids in zip(self._lanes, plans, strict=True):
                 answer = Answer(lane.label)
                 if not lane.holds(ids):
-                    lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop, self.prefill_mode)
+                    lane.feed(self.lm, ids, answer, self.prefill_chunk, track, should_stop, self.prefill_mode)
                 fed[lane.label] = answer.fed_tokens
         return fed
 
@@ -240,11 +201,12 @@ class ChatSession:
         question: str,
         max_new_tokens: int = 256,
         on_token: TokenCallback | None = None,
-        on_progress: ProgressCallback | None = None,
-        should_stop: StopCallback | None = None,
+        on_progress: ProgressFn | None = None,
+        should_stop: StopFn | None = None,
         on_wait: WaitCallback | None = None,
     ) -> Turn:
-        """Answer `question` at every precision, both answers streaming together through `on_token`.
+        """Answer `question` at every precision, both answers streaming together through `on_token`
+        (`on_progress` counts the prompt tokens the lanes read first).
 
         Every lane prefills its new tokens (baseline first), then the lanes decode one token each in
         turn. An answer ends at the model's end of turn, at a sentence end near `max_new_tokens`, or
@@ -266,7 +228,7 @@ class ChatSession:
         answers = [Answer(lane.label, cap=max_new_tokens) for lane in self._lanes]
         with self._running, model_lock(self.lm, on_wait, should_stop) as waited, self._caches_freed_on_oom("answering"):
             try:
-                self._answer(plans, answers, on_token, on_progress, should_stop)
+                self._answer(plans, answers, on_token, self._tracker(plans, on_progress), should_stop)
             except OUT_OF_MEMORY:
                 raise  # nothing recorded: the user can ask again once the caches are freed
             except BaseException:
@@ -279,19 +241,32 @@ class ChatSession:
         plans: list[list[int]],
         answers: list[Answer],
         on_token: TokenCallback | None,
-        on_progress: ProgressCallback | None,
-        should_stop: StopCallback | None,
+        track: Tracker | None,
+        should_stop: StopFn | None,
     ) -> None:
         """Prefill every lane, then decode them together; returns early (answers "cancelled") when stopped."""
         stop_ids = stop_token_ids(self.lm)
         decodings = []
         for lane, ids, answer in zip(self._lanes, plans, answers, strict=True):
             answer.stopped = "cancelled"  # until its decoding says otherwise
-            logits = lane.feed(self.lm, ids, answer, self.prefill_chunk, on_progress, should_stop, self.prefill_mode)
+            logits = lane.feed(self.lm, ids, answer, self.prefill_chunk, track, should_stop, self.prefill_mode)
             if logits is None:
                 return
             decodings.append(Decoding(lane, answer, logits, stop_ids))
         decode_together(self.lm, decodings, on_token, should_stop)
+
+    def _tracker(
+        self, plans: list[list[int]], on_progress: ProgressFn | None, only_new: bool = False
+    ) -> Tracker | None:
+        """A count of the prompt tokens the lanes will read for `plans` (none for lanes that already hold
+        theirs when `only_new`)."""
+        if on_progress is None:
+            return None
+        total = sum(
+            0 if only_new and lane.holds(ids) else lane.to_feed(ids)
+            for lane, ids in zip(self._lanes, plans, strict=True)
+        )
+        return Tracker(total, "tokens", on_progress)
 
     def _check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         limit = self.lm.max_context

@@ -1,6 +1,6 @@
 """One precision's side of a chat (a *lane*): its cache, the token ids that cache holds, its own
 conversation, and its answer to the current question, decoded one token per call so that two lanes
-can take turns and stream side by side (`kvdemo/chat.py` runs them).
+can take turns and stream side by side (`kvdemo/chat/session.py` runs them).
 
 An answer ends at the model's end-of-turn token, at its cap (`max_new_tokens`), or, once it is in
 the last quarter of the cap, at the first sentence end: the text so far ends in `.`, `!` or `?`
@@ -21,18 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import QuantizedKVCache
-from .models import LoadedModel
-from .precision import PrecisionSpec
-from .runner import PREFILL_MODES, new_cache, prefill, transplant
+from ..cache import QuantizedKVCache
+from ..models import LoadedModel
+from ..precision import PrecisionSpec
+from ..progress import StopFn, Tracker
+from ..runner import PREFILL_MODES, new_cache, prefill, transplant
 
 SENTENCE_WINDOW = 0.25  # the last quarter of the cap: there an answer ends at the first sentence end
 ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "mt.", "jr.", "sr.", "vs.", "etc.", "e.g.", "i.e.", "no."}
 _SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]*_]*$")
 
 TokenCallback = Callable[["Answer", str], None]  # (the answer so far, its newest token's text; "" if none)
-ProgressCallback = Callable[[str, int, int], None]  # (precision label, tokens prefilled, tokens to prefill)
-StopCallback = Callable[[], bool]
 
 
 @dataclass
@@ -112,20 +111,30 @@ class Lane:
         """The cache already holds `ids` (or more after them)."""
         return self.cache is not None and self.ids[: len(ids)] == list(ids)
 
+    def reusable(self, ids: Sequence[int]) -> bool:
+        """The cache holds a proper prefix of `ids`: `feed` only adds the rest."""
+        held = len(self.ids)
+        return self.cache is not None and held < len(ids) and list(ids[:held]) == self.ids
+
+    def to_feed(self, ids: Sequence[int]) -> int:
+        """Tokens `feed(ids)` prefills: the rest after a reusable cache, else all of them."""
+        return len(ids) - len(self.ids) if self.reusable(ids) else len(ids)
+
     def feed(
         self,
         lm: LoadedModel,
         ids: Sequence[int],
         answer: Answer,
         chunk: int,
-        on_progress: ProgressCallback | None = None,
-        should_stop: StopCallback | None = None,
+        track: Tracker | None = None,
+        should_stop: StopFn | None = None,
         mode: str = "chunked",
     ) -> torch.Tensor | None:
         """Bring the cache to hold `ids`; return the next-token logits [V] (None if stopped first).
 
         Reuses the cache when its ids are a prefix of `ids` and feeds the rest in chunks of `chunk`
-        tokens, polling `should_stop` and reporting progress between chunks; else starts a new cache.
+        tokens, polling `should_stop` between chunks and counting each chunk's tokens on `track`; else
+        starts a new cache.
         mode (runner.PREFILL_MODES): "exact" computes a new quantized cache's tokens at full precision,
         chunk by chunk, and stores them quantized once all are in (`runner.prefill`'s exact mode);
         tokens added to a cache that already holds some go in chunk by chunk in both modes.
@@ -134,7 +143,7 @@ class Lane:
             raise ValueError(f"unknown prefill mode {mode!r}; allowed: {', '.join(PREFILL_MODES)}")
         ids = list(ids)
         held = len(self.ids)
-        if not (self.cache is not None and held < len(ids) and ids[:held] == self.ids):
+        if not self.reusable(ids):
             answer.reprefilled = self.cache is not None
             self.drop_cache()
             free_memory(lm.device)
@@ -149,16 +158,17 @@ class Lane:
             for start in range(0, len(rest), chunk):
                 if should_stop is not None and should_stop():
                     return None
-                if on_progress is not None:
-                    on_progress(self.label, start, len(rest))
-                logits = prefill(lm, rest[start : start + chunk], target)  # [V]
+                if track is not None:
+                    track.report(f"{self.label}: reading {len(rest):,} tokens")
+                piece = rest[start : start + chunk]
+                logits = prefill(lm, piece, target)  # [V]
                 if not exact:
-                    answer.fed_tokens += len(rest[start : start + chunk])
+                    answer.fed_tokens += len(piece)
+                if track is not None:
+                    track.advance(f"{self.label}: reading {len(rest):,} tokens", units=len(piece))
             if exact:
                 transplant(target, self.cache)  # one append per layer: as one call would store them
                 answer.fed_tokens += len(rest)
-            if on_progress is not None:
-                on_progress(self.label, len(rest), len(rest))
         finally:
             answer.prefill_s = time.perf_counter() - t0
             self.sync(ids)
@@ -221,7 +231,7 @@ def decode_together(
     lm: LoadedModel,
     decodings: list[Decoding],
     on_token: TokenCallback | None = None,
-    should_stop: StopCallback | None = None,
+    should_stop: StopFn | None = None,
 ) -> None:
     """Decode every lane's answer, one token per lane in turn, until each has ended or `should_stop()`.
 
