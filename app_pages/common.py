@@ -18,7 +18,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from kvdemo import prefill_modes
+from kvdemo import formats, prefill_modes
 from kvdemo.chat.session import quantized_presets
 from kvdemo.documents import DocumentError, HeldDocument, document_budget, extract_bytes, hold_document, truncation_note
 from kvdemo.models import DTYPES, LoadedModel, ModelLoadError, load_model, model_lock
@@ -26,7 +26,6 @@ from kvdemo.precision import (
     DEFAULT_GROUP,
     DEFAULT_RESIDUAL,
     DEFAULT_SINKS,
-    FORMATS,
     GROUP_SIZES,
     KEY_AXES,
     PRESETS,
@@ -116,7 +115,7 @@ def _precision_section() -> PrecisionSpec | None:
         parts = st.columns(2)
         for col, part in zip(parts, ("key", "value"), strict=True):
             col.selectbox(
-                f"{part.title()} format", [AS_PRESET, *FORMATS[1:]], key=f"kv_{part}_format",
+                f"{part.title()} format", [AS_PRESET, *formats.names()[1:]], key=f"kv_{part}_format",
                 help=f"store the {part}s in this format instead of the preset's (e.g. nuq4 keys with nuq2 "
                 "values: `knuq4vnuq2`)",
             )  # fmt: skip

@@ -327,8 +327,8 @@ class QuantizedLayer(CacheLayerMixin):
         if value_states.shape[-1] != d:
             raise ValueError(f"value head_dim {value_states.shape[-1]} differs from key head_dim {d}")
         if spec.is_quantized:
-            for fmt in (spec.key_format, spec.value_format):
-                reference.packed_width(fmt, d)  # ValueError when d cannot be packed
+            for fmt in (spec.key, spec.value):
+                fmt.packed_width(d)  # ValueError when d cannot be packed
             if d % spec.value_group(d) or d % spec.key_group(d) and spec.key_axis == "token":
                 raise ValueError(f"head_dim {d} is not a multiple of the group size")
             if spec.hadamard:
@@ -439,11 +439,13 @@ class QuantizedKVCache(Cache):
 
     def _layer(self, index: int) -> QuantizedLayer:
         spec = self.spec
+        if not spec.is_quantized:
+            return QuantizedLayer(spec)
         methods = []
-        for part, fmt in (("key", spec.key_format), ("value", spec.value_format)):
-            levels = self.codebooks.levels(index, part, spec) if fmt.startswith("nuq") else None
+        for part, fmt in (("key", spec.key), ("value", spec.value)):
+            levels = self.codebooks.levels(index, part, spec) if fmt.codebook else None
             rope = self.rope if part == "key" and spec.pre_rope else None
-            block = spec.group_size if fmt == "nvfp4" else 0
+            block = spec.group_size if fmt.block_scale_bits else 0  # tokens per second-level scale
             methods.append(Method(levels, spec.outliers, None, rope, block))
         return QuantizedLayer(spec, *methods)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .configs import cache_dir
-from .precision import CODE_BITS, PrecisionSpec
+from .precision import PrecisionSpec
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "codebooks"
 
@@ -49,8 +49,7 @@ class Codebooks:
     def levels(self, layer: int, part: str, spec: PrecisionSpec) -> torch.Tensor:
         """fp16 levels for `part` of `layer` under `spec` (fitted if present, else NormalFloat rounded to fp16): the
         quantizer picks codes with the very levels the cache stores and the kernels read."""
-        fmt = spec.key_format if part == "key" else spec.value_format
-        b = CODE_BITS[fmt]
+        b = (spec.key if part == "key" else spec.value).bits
         name = tensor_name(layer, part, b, spec.outliers > 0, spec.pre_rope and part == "key")
         found = self.tensors.get(name)
         return (normal_float(b) if found is None else found).half()

@@ -2,9 +2,10 @@
 
 A `PrecisionSpec` says how cached keys and values are stored:
 
-- format of keys and of values: ``full`` (the model's dtype), ``int8`` / ``int4`` / ``int2``
-  (asymmetric: 16-bit scale + 16-bit zero point per group) or ``fp8_e4m3`` / ``fp8_e5m2``
-  (16-bit scale per group, no zero point);
+- format of keys and of values: ``full`` (the model's dtype) or one of the storage formats of
+  kvdemo/formats.py (its registry says each one's names, bits, scales and rules): ``int8`` / ``int4`` /
+  ``int2`` (asymmetric: 16-bit scale + 16-bit zero point per group), ``fp8_e4m3`` / ``fp8_e5m2`` (16-bit scale
+  per group, no zero point) and the ones below;
 - key axis: ``channel`` (default; KIVI / KVQuant: per channel, groups of ``group_size`` tokens) or
   ``token`` (per token, groups of ``group_size`` channels, for comparison with per-token schemes);
   values are always per token, in groups of ``min(group_size, head_dim)`` channels;
@@ -39,24 +40,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-FORMATS = ("full", "int8", "int4", "int3", "int2", "fp8_e4m3", "fp8_e5m2", "nuq4", "nuq3", "nuq2", "nvfp4")
-CODE_BITS = {
-    "int8": 8,
-    "int4": 4,
-    "int3": 3,
-    "int2": 2,
-    "fp8_e4m3": 8,
-    "fp8_e5m2": 8,
-    "nuq4": 4,
-    "nuq3": 3,
-    "nuq2": 2,
-    "nvfp4": 4,
-}
-NVFP4_GROUP = 16  # channels per E4M3 scale
+from . import formats
+
 OUTLIER_INDEX_BITS = 8  # a sparse outlier: fp16 correction + uint8 channel index
+OUTLIER_BITS = 16  # ... and its fp16 correction
 KEY_AXES = ("channel", "token")
 GROUP_SIZES = (16, 32, 64, 128, 256)
-META_BITS = 16  # every scale and every zero point is stored in 16 bits (fp16)
 
 DEFAULT_GROUP = 128
 DEFAULT_RESIDUAL = 128
@@ -84,8 +73,8 @@ class PrecisionSpec:
 
     def __post_init__(self):
         for what, fmt in (("key", self.key_format), ("value", self.value_format)):
-            if fmt not in FORMATS:
-                raise ValueError(f"unknown {what} format {fmt!r}; allowed: {', '.join(FORMATS)}")
+            if fmt not in formats.names():
+                raise ValueError(f"unknown {what} format {fmt!r}; allowed: {', '.join(formats.names())}")
         if (self.key_format == "full") != (self.value_format == "full"):
             raise ValueError("keys and values are either both full precision or both quantized")
         if self.key_axis not in KEY_AXES:
@@ -106,13 +95,15 @@ class PrecisionSpec:
         if not self.is_quantized and (self.outliers or self.pre_rope or self.hadamard):
             raise ValueError("full precision stores no codes: outliers, prerope and hadamard need a quantized format")
         for what, fmt in (("key", self.key_format), ("value", self.value_format)):
-            if self.outliers and not fmt.startswith(("int", "nuq")):
+            if self.outliers and self.is_quantized and not formats.get(fmt).narrowable:
                 raise ValueError(
                     f"o<pct> narrows the range of integer and nuq codes; {what} format {fmt} scales by its "
                     "absmax and has no range to narrow"
                 )
-        if self.key_format == "nvfp4" and self.key_axis != "token":
-            raise ValueError("nvfp4 scales 16 consecutive channels of one token; it has no per-channel key mode")
+        if self.is_quantized and self.key.keys_per_token and self.key_axis != "token":
+            raise ValueError(
+                f"{self.key_format} scales consecutive channels of one token; it has no per-channel key mode"
+            )
         if self.pre_rope and self.hadamard:
             raise ValueError(
                 "prerope and hadamard do not combine: RoPE must turn the unrotated keys, so every key would be "
@@ -121,36 +112,47 @@ class PrecisionSpec:
 
     @property
     def is_quantized(self) -> bool:
-        return self.key_format != "full"
+        return self.key_format != formats.FULL
+
+    @property
+    def key(self) -> formats.Format:
+        """The keys' format (ValueError for full precision, which codes nothing)."""
+        return formats.get(self.key_format)
+
+    @property
+    def value(self) -> formats.Format:
+        """The values' format (ValueError for full precision, which codes nothing)."""
+        return formats.get(self.value_format)
 
     @property
     def key_bits(self) -> int:
-        return CODE_BITS.get(self.key_format, 16)
+        return formats.code_bits(self.key_format)
 
     @property
     def value_bits(self) -> int:
-        return CODE_BITS.get(self.value_format, 16)
+        return formats.code_bits(self.value_format)
 
     def value_group(self, head_dim: int) -> int:
         """Channels per value group (values are grouped along head_dim, per token)."""
-        return NVFP4_GROUP if self.value_format == "nvfp4" else min(self.group_size, head_dim)
+        if not self.is_quantized:
+            return min(self.group_size, head_dim)
+        return self.value.group(self.group_size, head_dim, "token")
 
     def key_group(self, head_dim: int) -> int:
         """Tokens per key group (channel axis) or channels per key group (token axis)."""
-        if self.key_format == "nvfp4":
-            return NVFP4_GROUP
-        return self.group_size if self.key_axis == "channel" else min(self.group_size, head_dim)
+        if not self.is_quantized:
+            return self.group_size if self.key_axis == "channel" else min(self.group_size, head_dim)
+        return self.key.group(self.group_size, head_dim, self.key_axis)
 
     def outlier_cap(self, head_dim: int) -> int:
         """Sparse outliers stored per token and head, for keys and for values alike (0: none)."""
         return outlier_cap(self.outliers, head_dim)
 
     def codebook_levels(self) -> dict:
-        """Codebook entries per layer (fp16 each) of keys and values: 2^bits for nuq formats, else 0."""
-        return {
-            part: (1 << CODE_BITS[fmt]) if fmt.startswith("nuq") else 0
-            for part, fmt in (("key", self.key_format), ("value", self.value_format))
-        }
+        """Codebook entries per layer (fp16 each) of keys and values: 2^bits for codebook formats, else 0."""
+        if not self.is_quantized:
+            return {"key": 0, "value": 0}
+        return {"key": self.key.levels, "value": self.value.levels}
 
     def bits_per_element(self, head_dim: int, full_bits: int = 16) -> dict:
         """Bits per cached key / value element in the quantized region: code + metadata / group + sparse
@@ -158,15 +160,10 @@ class PrecisionSpec:
         fixed cost, not per element (`layout.region_bytes` counts them)."""
         if not self.is_quantized:
             return {"key": float(full_bits), "value": float(full_bits), "mean": float(full_bits)}
-        sparse = self.outlier_cap(head_dim) * (META_BITS + OUTLIER_INDEX_BITS) / head_dim
-        k = self.key_bits + self._meta_per_element(self.key_format, self.key_axis, self.key_group(head_dim), head_dim)
-        v = self.value_bits + self._meta_per_element(self.value_format, "token", self.value_group(head_dim), head_dim)
+        sparse = self.outlier_cap(head_dim) * (OUTLIER_BITS + OUTLIER_INDEX_BITS) / head_dim
+        k = self.key_bits + self.key.meta_bits(self.key_axis, self.group_size, head_dim)
+        v = self.value_bits + self.value.meta_bits("token", self.group_size, head_dim)
         return {"key": k + sparse, "value": v + sparse, "mean": (k + v) / 2 + sparse}
-
-    def _meta_per_element(self, fmt: str, axis: str, group: int, head_dim: int) -> float:
-        if fmt == "nvfp4":  # E4M3 per 16 channels + fp32 per block of group_size tokens and head
-            return 8 / NVFP4_GROUP + 32 / (self.group_size * head_dim)
-        return META_BITS * (1 + has_zero(fmt, axis)) / group
 
     @property
     def label(self) -> str:
@@ -181,7 +178,7 @@ class PrecisionSpec:
             opts.append(f"r{self.residual}")
         if self.sinks != DEFAULT_SINKS:
             opts.append(f"s{self.sinks}")
-        if self.key_axis != "channel" and self.key_format != "nvfp4":
+        if self.key_axis != "channel" and not self.key.keys_per_token:
             opts.append("ktoken")
         return ":".join([base, *self._method_options(), *opts])
 
@@ -204,22 +201,11 @@ class PrecisionSpec:
         }
 
 
-def has_zero(fmt: str, axis: str) -> bool:
-    """Whether groups of `fmt` along `axis` store a zero point besides their scale: integer codes always
-    (asymmetric); nuq along tokens (keys per channel: [min, max]); fp8, nvfp4 and nuq per token: absmax only."""
-    return fmt.startswith("int") or (fmt.startswith("nuq") and axis == "channel")
-
-
-# a part's format in a mixed name `k<key>v<value>`: integer codes by their bits, the rest by name
-PART_NAMES = {"int8": "8", "int4": "4", "int3": "3", "int2": "2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}
-PART_FORMATS = {**{v: k for k, v in PART_NAMES.items()}, **{f: f for f in FORMATS if f != "full"}}
-
-
 def _kv_name(key_format: str, value_format: str) -> str:
     """`int4`, `fp8` when keys and values share a format, else `k<key>v<value>`: `k8v4`, `knuq4vnuq2`, `k8vnvfp4`."""
     if key_format == value_format:
-        return {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}.get(key_format, key_format)
-    return f"k{PART_NAMES.get(key_format, key_format)}v{PART_NAMES.get(value_format, value_format)}"
+        return formats.get(key_format).label
+    return f"k{formats.get(key_format).part}v{formats.get(value_format).part}"
 
 
 def _mixed(name: str) -> PrecisionSpec | None:
@@ -228,12 +214,24 @@ def _mixed(name: str) -> PrecisionSpec | None:
     if not name.startswith("k"):
         return None
     for at in (i for i, c in enumerate(name) if c == "v" and i > 1):
-        key, value = PART_FORMATS.get(name[1:at]), PART_FORMATS.get(name[at + 1 :])
+        key, value = formats.by_part(name[1:at]), formats.by_part(name[at + 1 :])
         if key and value:
-            axis = "token" if key == "nvfp4" else "channel"
-            preset = [p for p in PRESETS.values() if (p.key_format, p.value_format, p.key_axis) == (key, value, axis)]
-            return preset[0] if preset else PrecisionSpec(key, value, key_axis=axis)
+            return _both(key, value)
     return None
+
+
+def _both(key: formats.Format, value: formats.Format) -> PrecisionSpec:
+    """Keys in `key`, values in `value`: the preset when one matches, else a spec with every option at its
+    default (keys per token when their format scales along channels only)."""
+    axis = "token" if key.keys_per_token else "channel"
+    preset = [p for p in PRESETS.values() if (p.key_format, p.value_format, p.key_axis) == (key.name, value.name, axis)]
+    return preset[0] if preset else PrecisionSpec(key.name, value.name, key_axis=axis)
+
+
+def _by_format(name: str) -> PrecisionSpec | None:
+    """A format's own name or label (`fp8_e4m3`, `int1` of a registered toy format): keys and values in it."""
+    found = next((f for f in formats.all_formats() if name in (f.name, f.label)), None)
+    return _both(found, found) if found else None
 
 
 PRESETS: dict[str, PrecisionSpec] = {
@@ -263,11 +261,11 @@ def parse_precision(text: str | PrecisionSpec) -> PrecisionSpec:
         return text
     parts = [p.strip() for p in str(text).strip().lower().split(":")]
     name = ALIASES.get(parts[0], parts[0])
-    spec = PRESETS.get(name) or _mixed(name)
+    spec = PRESETS.get(name) or _by_format(name) or _mixed(name)
     if spec is None:
         raise ValueError(
             f"unknown precision {text!r}; presets: {', '.join(PRESETS)}; or k<key>v<value> with keys and values "
-            f"each one of {', '.join(PART_NAMES.get(f, f) for f in FORMATS[1:])} (e.g. knuq4vnuq2, k8vnuq3) "
+            f"each one of {', '.join(f.part for f in formats.all_formats())} (e.g. knuq4vnuq2, k8vnuq3) "
             "(options: g<group> r<residual> s<sinks> ktoken o<pct> prerope hadamard, e.g. int4:g64:r128:s4, nuq3:o1)"
         )
     options = {}
@@ -330,7 +328,7 @@ def spec_from_options(
         opts.append(f"r{residual}")
     if sinks != DEFAULT_SINKS:
         opts.append(f"s{sinks}")
-    if key_axis != "channel" and keys != "nvfp4":
+    if key_axis != "channel" and not formats.get(keys).keys_per_token:
         opts.append("ktoken")
     return parse_precision(":".join(opts))
 

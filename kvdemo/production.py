@@ -57,7 +57,8 @@ settle it):
 
 from __future__ import annotations
 
-from .precision import CODE_BITS, NVFP4_GROUP, PrecisionSpec, parse_precision
+from . import formats
+from .precision import PrecisionSpec, parse_precision
 
 ENGINES = ("vllm", "sglang", "tensorrt-llm", "llama.cpp", "transformers")
 
@@ -65,25 +66,11 @@ ENGINES = ("vllm", "sglang", "tensorrt-llm", "llama.cpp", "transformers")
 LLAMA_CPP_BITS = {"f16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
 LLAMA_CPP_BLOCK = 32
 LLAMA_CPP_ROT_MULTIPLE = 64  # the Hadamard rotation of a quantized cache needs head_dim % 64 == 0
-# our format -> the llama.cpp type closest in structure (asymmetric int -> the "_1" types where they exist;
-# non-uniform levels -> iq4_nl; below 4 bits -> the smallest type, q4_0)
-_LLAMA_CPP_TYPE = {
-    "full": "f16",
-    "int8": "q8_0",
-    "int4": "q4_1",
-    "int3": "q4_0",
-    "int2": "q4_0",
-    "fp8_e4m3": "q8_0",
-    "fp8_e5m2": "q8_0",
-    "nuq4": "iq4_nl",
-    "nuq3": "iq4_nl",
-    "nuq2": "iq4_nl",
-    "nvfp4": "iq4_nl",
-}
 QUANTO_BITS = (2, 4)
 HQQ_BITS = (1, 2, 3, 4, 8)
 META_BITS = 16  # transformers stores scale and zero point in the model's dtype (fp16/bf16 on GPU)
-NVFP4_BITS = 4 + 8 / NVFP4_GROUP  # E2M1 code + an E4M3 scale per 16 values (the per-tensor scale: ~0)
+_NVFP4 = formats.get("nvfp4")
+NVFP4_BITS = _NVFP4.bits + _NVFP4.scale_bits / _NVFP4.fixed_group  # E2M1 code + an E4M3 scale per 16 values
 
 VLLM_FP8 = "--kv-cache-dtype fp8 --calculate-kv-scales"
 VLLM_FALLBACK_WHEN = (
@@ -127,7 +114,7 @@ def _method_gaps(spec: PrecisionSpec, engine: str, channel_keys: bool = False, r
     if not spec.is_quantized:
         return []
     gaps = []
-    if spec.key_format.startswith("nuq") or spec.value_format.startswith("nuq"):
+    if spec.key.codebook or spec.value.codebook:
         gaps.append(
             f"nuq codebooks (per-layer levels fitted to the model by Fisher-weighted k-means, KVQuant): {engine} "
             "has no calibrated non-uniform KV codes"
@@ -139,7 +126,7 @@ def _method_gaps(spec: PrecisionSpec, engine: str, channel_keys: bool = False, r
         )
     if spec.pre_rope:
         gaps.append(f"pre-RoPE keys (quantized before the rotary embedding): {engine} caches keys after RoPE")
-    if spec.key_axis == "channel" and spec.key_format != "nvfp4" and not channel_keys:
+    if spec.key_axis == "channel" and not spec.key.keys_per_token and not channel_keys:
         gaps.append(f"per-channel key quantization (KIVI/KVQuant): {engine} scales keys per token or per tensor")
     if not residual:
         gaps.append(f"a full-precision residual window ({spec.residual} newest tokens): {engine} quantizes on write")
@@ -160,13 +147,36 @@ def _formats(spec: PrecisionSpec) -> set[str]:
     return {spec.key_format, spec.value_format}
 
 
+def _families(spec: PrecisionSpec) -> set[str]:
+    """The codec families of the spec's key and value formats ("int", "fp8", "nuq", "nvfp4")."""
+    return {spec.key.family, spec.value.family}
+
+
+def _int8(spec: PrecisionSpec) -> bool:
+    """Keys or values in 8-bit integer codes."""
+    return any(f.family == "int" and f.bits == 8 for f in (spec.key, spec.value))
+
+
+def _llama_cpp_type(fmt: str) -> str:
+    """The llama.cpp cache type closest in structure to one of our formats: asymmetric int -> the "_1" types
+    where they exist; non-uniform levels (codebooks, FP4) -> iq4_nl; below 4 bits -> the smallest type, q4_0."""
+    if fmt == formats.FULL:
+        return "f16"
+    f = formats.get(fmt)
+    if f.family in ("fp8",) or (f.family == "int" and f.bits == 8):
+        return "q8_0"
+    if f.family in ("nuq", "nvfp4"):
+        return "iq4_nl"
+    return "q4_1" if f.bits >= 4 else "q4_0"
+
+
 def _vllm(spec: PrecisionSpec, head_dim: int) -> dict:
     if not spec.is_quantized:
         return _entry("--kv-cache-dtype auto", "exact", 16, 16, [], ["the model's dtype (fp16/bf16): vLLM's default"])
     fmts, kb, vb = _formats(spec), spec.key_bits, spec.value_bits
     gaps, notes = [], []
     per_head = 32 / head_dim  # one fp32 scale per token and head
-    if fmts == {"nvfp4"}:
+    if _families(spec) == {"nvfp4"}:
         out = _entry("--kv-cache-dtype nvfp4", "exact", NVFP4_BITS, NVFP4_BITS, gaps, notes)
         notes.append(
             "E2M1 codes with an E4M3 scale per 16 values, as ours; the second-level fp32 scale is per tensor "
@@ -213,7 +223,7 @@ def _vllm(spec: PrecisionSpec, head_dim: int) -> dict:
                 gaps.append(f"{kb}-bit keys / {vb}-bit values: the nearest TurboQuant preset stores {tk} / {tv} bits")
         else:
             bits = max(kb, vb)
-            dtype = "int8" if bits == 8 and fmts & {"int8"} else ("fp8" if bits == 8 else "int4")
+            dtype = "int8" if bits == 8 and _int8(spec) else ("fp8" if bits == 8 else "int4")
             if dtype == "fp8":
                 out = _entry(VLLM_FP8, "nearest", 8, 8, gaps, notes)
             else:
@@ -229,13 +239,13 @@ def _vllm(spec: PrecisionSpec, head_dim: int) -> dict:
                 gaps.append(_mixed_gap(spec))
             if min(kb, vb) < 4 and dtype == "int4":
                 gaps.append(f"{min(kb, vb)}-bit KV: vLLM's smallest integer KV dtype is 4-bit")
-            if fmts & {"fp8_e4m3", "fp8_e5m2"} and dtype != "fp8":
+            if "fp8" in _families(spec) and dtype != "fp8":
                 gaps.append("fp8 codes: the per-token-head integer dtypes store integers")
-    if not fmts <= {"fp8_e4m3", "fp8_e5m2"}:
+    if _families(spec) != {"fp8"}:
         out["alternatives"].append(_alt(VLLM_FP8, 8, 8, VLLM_FALLBACK_WHEN))
     if spec.hadamard and "turboquant" not in out["setting"]:
         gaps.append("Hadamard rotation: vLLM rotates only inside its turboquant_* presets (4/3-bit keys)")
-    if spec.key_format != "nvfp4":
+    if not spec.key.keys_per_token:
         gaps.insert(0, _group_gap(spec, "vLLM: per tensor, per head or per token and head"))
     gaps.extend(_method_gaps(spec, "vLLM"))
     return out
@@ -245,12 +255,12 @@ def _turboquant(spec: PrecisionSpec) -> tuple[tuple[int, int], str] | None:
     """The vLLM TurboQuant preset nearest to `spec`, or None where a plain dtype is nearer: 8-bit keys with
     fewer value bits (k8v4), and at 4 bits or less the rotated specs, the nuq formats (non-uniform levels, as
     TurboQuant's keys) and the sub-4-bit ones (3-bit is vLLM's smallest KV)."""
-    kb, vb, fmts = spec.key_bits, spec.value_bits, _formats(spec)
-    if fmts & {"fp8_e4m3", "fp8_e5m2", "nvfp4"}:
+    kb, vb = spec.key_bits, spec.value_bits
+    if _families(spec) & {"fp8", "nvfp4"}:
         return None
     if kb == 8 and vb < 8:
         return (8, 4), TURBOQUANT[(8, 4)]
-    nuq = any(f.startswith("nuq") for f in fmts)
+    nuq = spec.key.codebook or spec.value.codebook
     if max(kb, vb) > 4 or not (spec.hadamard or nuq or max(kb, vb) < 4):
         return None
     key = (min(max(kb, 3), 4), min(max(vb, 3), 4))
@@ -276,7 +286,7 @@ def _sglang(spec: PrecisionSpec, head_dim: int) -> dict:
     elif bits == 8:
         out = _entry("--kv-cache-dtype fp8_e4m3", "nearest", 8, 8, gaps, notes)
         notes.append("per-tensor scales from the checkpoint or --quantization-param-path (1.0 otherwise)")
-        if fmts & {"int8"}:
+        if _int8(spec):
             gaps.append("int8 codes: SGLang's 8-bit KV dtypes are fp8")
             zp = 32 / head_dim  # fp16 scale + zero point per token and head
             out["alternatives"].append(
@@ -291,7 +301,7 @@ def _sglang(spec: PrecisionSpec, head_dim: int) -> dict:
     else:
         out = _entry("--kv-cache-dtype fp4_e2m1", "nearest", NVFP4_BITS, NVFP4_BITS, gaps, notes)
         notes.append("experimental: check that the attention backend fuses the FP4 dequantization")
-        if fmts == {"nvfp4"}:
+        if _families(spec) == {"nvfp4"}:
             gaps.append(
                 "NVFP4's E4M3 block scales: SGLang's fp4_e2m1 keeps E2M1 codes in blocks of 16 with an 8-bit "
                 "exponent (power-of-two) scale per its docs"
@@ -302,7 +312,7 @@ def _sglang(spec: PrecisionSpec, head_dim: int) -> dict:
             gaps.append(f"{min(kb, vb)}-bit KV: SGLang's smallest KV dtype is 4-bit (fp4_e2m1)")
     if kb != vb:
         gaps.append(_mixed_gap(spec))
-    if spec.key_format != "nvfp4":
+    if not spec.key.keys_per_token:
         gaps.insert(0, _group_gap(spec, "SGLang: per tensor or per 16 values"))
     if spec.hadamard:
         gaps.append("Hadamard rotation: no KV rotation option found in SGLang (not verified)")
@@ -322,20 +332,25 @@ def _trtllm(spec: PrecisionSpec) -> dict:
         notes.append("per-tensor scales from the checkpoint (Model Optimizer), 1.0 otherwise")
         if "fp8_e5m2" in fmts:
             gaps.append("fp8 e5m2: TensorRT-LLM's fp8 KV is e4m3")
-        if fmts & {"int8"}:
+        if _int8(spec):
             gaps.append(
                 "int8 codes: TensorRT-LLM 1.2+ (PyTorch backend) has fp8 and nvfp4 KV only "
                 "(INT8 KV left with the TensorRT-engine flow)"
             )
     else:
         out = _entry(
-            llm.format("nvfp4"), "exact" if fmts == {"nvfp4"} else "nearest", NVFP4_BITS, NVFP4_BITS, gaps, notes
+            llm.format("nvfp4"),
+            "exact" if _families(spec) == {"nvfp4"} else "nearest",
+            NVFP4_BITS,
+            NVFP4_BITS,
+            gaps,
+            notes,
         )
         notes.append(
             "needs a Blackwell GPU and a checkpoint quantized with Model Optimizer: "
             "scripts/huggingface_example.sh --model M --quant fp8 --kv_cache_quant nvfp4 (FP8 weights)"
         )
-        if fmts == {"nvfp4"}:
+        if _families(spec) == {"nvfp4"}:
             notes.append(
                 f"the second-level fp32 scale is per tensor (ours: per block of {spec.group_size} tokens and head)"
             )
@@ -345,7 +360,7 @@ def _trtllm(spec: PrecisionSpec) -> dict:
             gaps.append(f"{min(kb, vb)}-bit KV: TensorRT-LLM's smallest KV dtype is 4-bit (nvfp4)")
     if kb != vb:
         gaps.append(_mixed_gap(spec))
-    if spec.key_format != "nvfp4":
+    if not spec.key.keys_per_token:
         gaps.insert(0, _group_gap(spec, "TensorRT-LLM: per tensor, or per 16 values in nvfp4"))
     if spec.hadamard:
         gaps.append(
@@ -357,29 +372,30 @@ def _trtllm(spec: PrecisionSpec) -> dict:
 
 
 def _llama_cpp(spec: PrecisionSpec, head_dim: int) -> dict:
-    k_type, v_type = _LLAMA_CPP_TYPE[spec.key_format], _LLAMA_CPP_TYPE[spec.value_format]
+    k_type, v_type = _llama_cpp_type(spec.key_format), _llama_cpp_type(spec.value_format)
     if not spec.is_quantized:
         return _entry("-ctk f16 -ctv f16", "exact", 16, 16, [], ["llama.cpp's default cache types"])
     setting = f"-ctk {k_type} -ctv {v_type} -fa on"
     gaps = []
-    if spec.key_format != "nvfp4":
+    if not spec.key.keys_per_token:
         gaps.append(f"group size {spec.group_size}: ggml blocks are always {LLAMA_CPP_BLOCK} channels of one token")
     notes = ["a quantized V cache needs flash attention (-fa on; plain -fa in older builds)"]
     for fmt in sorted(_formats(spec)):
-        if fmt in ("int2", "int3", "nuq2", "nuq3"):
-            gaps.append(f"{CODE_BITS[fmt]}-bit KV: llama.cpp's smallest cache types are 4.5 bits (q4_0, iq4_nl)")
-        elif fmt.startswith("fp8"):
+        f = formats.get(fmt)
+        if f.bits < 4:
+            gaps.append(f"{f.bits}-bit KV: llama.cpp's smallest cache types are 4.5 bits (q4_0, iq4_nl)")
+        elif f.family == "fp8":
             gaps.append(f"{fmt}: llama.cpp has no fp8 cache type; q8_0 is 8-bit integer with a scale per 32")
-        elif fmt == "nvfp4":
+        elif f.family == "nvfp4":
             gaps.append(
                 "nvfp4: llama.cpp has no FP4 cache type; iq4_nl (16 fixed non-uniform levels, an fp16 scale per 32) "
                 "is the nearest"
             )
-        elif fmt == "int8":
+        elif f.family == "int" and f.bits == 8:
             notes.append("q8_0 is symmetric (scale only); ours is asymmetric (scale + zero)")
-        elif fmt == "int4":
+        elif f.family == "int" and f.bits == 4:
             notes.append("q4_1 is asymmetric (scale + min) like ours; q4_0 / iq4_nl save 0.5 bit with a scale only")
-        if fmt.startswith("nuq"):
+        if f.codebook:
             notes.append("iq4_nl's levels are non-uniform like nuq's, but fixed for every model (not fitted)")
     rotates = head_dim % LLAMA_CPP_ROT_MULTIPLE == 0
     if spec.hadamard and rotates:
@@ -412,7 +428,7 @@ def _transformers(spec: PrecisionSpec, head_dim: int) -> dict:
     method = _method_gaps(spec, "QuantizedCache", channel_keys=True, residual=True)
     if spec.hadamard:
         method.insert(0, "Hadamard rotation: QuantizedCache stores keys and values as they come")
-    if fmts <= {"fp8_e4m3", "fp8_e5m2"}:
+    if _families(spec) == {"fp8"}:
         gaps.append("group-wise fp8 scales: the fp8 backend keeps one per-tensor scale, frozen at the first update")
         if "fp8_e5m2" in fmts:
             gaps.append("fp8 e5m2: the fp8 backend stores e4m3 only")
@@ -422,9 +438,9 @@ def _transformers(spec: PrecisionSpec, head_dim: int) -> dict:
         return _entry(setting, "nearest", 8, 8, gaps, notes)
     if spec.key_bits != spec.value_bits:
         gaps.append(f"different key and value bits ({spec.key_bits}/{spec.value_bits}): one nbits for both")
-    if fmts & {"fp8_e4m3", "fp8_e5m2"}:
+    if "fp8" in _families(spec):
         gaps.append("fp8 mixed with integer codes: backends are all-fp8 or all-integer")
-    if "nvfp4" in fmts:
+    if "nvfp4" in _families(spec):
         gaps.append("nvfp4's E2M1 codes with E4M3 scales: quanto/hqq store integer codes with a scale and zero point")
     nbits = max(spec.key_bits, spec.value_bits)  # keep the more precise side rather than lose quality
     backend = "quanto" if nbits in QUANTO_BITS else "hqq"

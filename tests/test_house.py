@@ -17,6 +17,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "kvdemo",
             "kvdemo.configs",
+            "kvdemo.formats",
             "kvdemo.precision",
             "kvdemo.layout",
             "kvdemo.memory",
