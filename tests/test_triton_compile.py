@@ -115,9 +115,8 @@ def test_compile_check_sees_spills(tmp_path):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + str(ROOT / "bench")
     code = (
         "import compile_sm90 as c\n"
-        "from kvdemo.quant import triton_kernels as tk\n"
         "row = next(r for r in c.decode_variants(True) if r['kernel'] == 'decode' and r['head_dim'] == 128)\n"
-        "print(c.compile_one(tk._decode_split_kernel, row['consts'] | {'BLOCK_M': 256}, 90, 8)['spill_stores'])\n"
+        "print(c.compile_one(c.KERNELS['decode'], row['consts'] | {'BLOCK_M': 256}, 90, 8)['spill_stores'])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -30,7 +30,7 @@ class BackendError(ValueError):
 def triton_available() -> bool:
     """True when Triton and the kernels import (probed once)."""
     try:
-        from . import triton_kernels  # noqa: F401
+        from . import triton_decode, triton_quantize  # noqa: F401
     except ImportError:
         return False
     return True
@@ -62,7 +62,7 @@ def backend_for(device: torch.device | str) -> str:
 
 def quantize(x: torch.Tensor, fmt: str, axis: str, group: int, **methods) -> QuantizedTensor:
     """x [B, H, T, D] -> QuantizedTensor (see reference.quantize): the Triton kernels where they run and
-    take the call, the PyTorch reference otherwise. Both give the same bytes (triton_kernels' docstring
+    take the call, the PyTorch reference otherwise. Both give the same bytes (triton_quantize's docstring
     states the one documented exception: ties among outlier scores).
     `methods` are reference.quantize's keywords (nuq levels, outliers, rotation, rope, start, block): plain
     int8/int4/int2/fp8 calls run the plain kernel where `supports_quantize` takes the head_dim; calls with
@@ -70,11 +70,11 @@ def quantize(x: torch.Tensor, fmt: str, axis: str, group: int, **methods) -> Qua
     `supports_quantize_methods` takes them (fp8 with methods, more than MAX_OUTLIERS outliers per token,
     ... go to the reference)."""
     if backend_for(x.device) == "triton":
-        from . import triton_kernels as tk
+        from . import triton_quantize
 
         plain = not methods.get("outliers") and all(methods.get(k) is None for k in ("levels", "rotation", "rope"))
-        if plain and tk.supports_quantize(fmt, x.shape[-1]):
-            return tk.quantize(x, fmt, axis, group)
-        if x.dim() == 4 and tk.supports_quantize_methods(fmt, axis, group, x.shape[-1], **methods):
-            return tk.quantize(x, fmt, axis, group, **methods)
+        if plain and triton_quantize.supports_quantize(fmt, x.shape[-1]):
+            return triton_quantize.quantize(x, fmt, axis, group)
+        if x.dim() == 4 and triton_quantize.supports_quantize_methods(fmt, axis, group, x.shape[-1], **methods):
+            return triton_quantize.quantize(x, fmt, axis, group, **methods)
     return reference.quantize(x, fmt, axis, group, **methods)
