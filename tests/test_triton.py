@@ -1,4 +1,5 @@
-"""Triton kernels (kvdemo/quant/triton_quantize.py, triton_decode.py) against the PyTorch reference, under TRITON_INTERPRET=1.
+"""Triton quantize and decode kernels (kvdemo/quant/triton_quantize.py, triton_decode.py) against the PyTorch
+reference, under TRITON_INTERPRET=1.
 
 Stated bounds:
 - quantize: codes, scales and zero points are bit-identical to `reference.quantize` (every format,
