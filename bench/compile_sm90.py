@@ -35,7 +35,7 @@ from gpu_attention import GOAL_POINT, GOALS  # noqa: E402  (bench/, this script'
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvdemo.quant import triton_kernels as tk  # noqa: E402
+from kvdemo.quant import launch, triton_decode, triton_quantize  # noqa: E402
 
 STRIDE = re.compile(r"^s[a-z]*_[bhtd]$")  # stride arguments: sx_t, skc_h, ...
 U8 = {"codes_ptr", "kc_ptr", "vc_ptr", "koi_ptr", "voi_ptr"}
@@ -129,7 +129,7 @@ def compile_one(
     constexprs: dict,
     arch: int,
     num_warps: int = 4,
-    num_stages: int = tk.NUM_STAGES,
+    num_stages: int = launch.NUM_STAGES,
     half: str = "fp16",
     pointers: dict | None = None,
     fp_fusion: bool = True,
@@ -176,8 +176,8 @@ def quantize_variants(quick: bool) -> list[dict]:
                     "FP8": fp8,
                     "CHANNEL": channel,
                     "GROUP": group,
-                    "BLOCK_T": group if channel else tk.QUANT_TILE // head_dim,
-                    "BLOCK_J": max(1, min(dp, tk.QUANT_TILE // (group * (8 // bits)))) if channel else 1,
+                    "BLOCK_T": group if channel else triton_quantize.QUANT_TILE // head_dim,
+                    "BLOCK_J": max(1, min(dp, triton_quantize.QUANT_TILE // (group * (8 // bits)))) if channel else 1,
                 }
                 rows.append({"kernel": "quantize", "format": fmt, "axis": axis, "head_dim": head_dim, "consts": consts})
     rows.append(rows[2] | {"half": "bf16", "format": rows[2]["format"] + " (bf16 input)"})
@@ -185,7 +185,7 @@ def quantize_variants(quick: bool) -> list[dict]:
 
 
 # quantize with the methods beyond uniform codes: (format, axis, group, outliers per token), at the tiles and
-# warps `tk.method_tile` picks; codebooks fp16 (as stored), nuq midpoints fp32
+# warps `triton_quantize.method_tile` picks; codebooks fp16 (as stored), nuq midpoints fp32
 QUANTIZE_METHODS = [
     ("int3", "channel", 128, 0),
     ("nuq4", "channel", 128, 0),
@@ -205,7 +205,8 @@ def quantize_method_variants(quick: bool) -> list[dict]:
     rows = []
     for head_dim in (128,) if quick else (64, 128):
         for fmt, axis, group, cap in QUANTIZE_METHODS:
-            block_t, warps = tk.method_tile(fmt, axis, group, head_dim, bool(cap))
+            group = min(group, head_dim) if axis == "token" else group  # as supports_quantize_methods allows
+            block_t, warps = triton_quantize.method_tile(fmt, axis, group, head_dim, bool(cap))
             if fmt == "nvfp4":
                 kernel, consts = "quantize_nvfp4", {"D": head_dim, "CLEAN": True, "BLOCK_T": block_t}
                 pointers = {"codes_ptr": "*u8", "scale_ptr": "*u8", "ts_ptr": "*fp32"}
@@ -234,11 +235,11 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     for head_dim in (64, 128) if quick else (16, 32, 64, 128, 256):
         for kf, vf in pairs:
             axes = ("channel", "token") if not quick or (kf, vf) == ("int8", "int4") else ("channel",)
-            for key_axis in axes if head_dim in tk.TOKEN_KEY_HEAD_DIMS else ("channel",):
-                for block_m in sorted({16, tk.MAX_BLOCK_M[head_dim]}) if not quick or kf == vf == "int8" else (16,):
+            for key_axis in axes if head_dim in launch.TOKEN_KEY_HEAD_DIMS else ("channel",):
+                for block_m in sorted({16, launch.MAX_BLOCK_M[head_dim]}) if not quick or kf == vf == "int8" else (16,):
                     kb, kfp8 = FORMATS[kf]
                     vb, vfp8 = FORMATS[vf]
-                    block_n, warps = tk.launch_config(head_dim, block_m, cc)
+                    block_n, warps = launch.launch_config(head_dim, block_m, cc)
                     group = min(128, head_dim)
                     consts = {
                         "D": head_dim,
@@ -252,7 +253,7 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                         "V_FP8": vfp8,
                         "V_GROUP": group,
                         "PTX": True,  # the compiled path (the interpreter tests run the Triton-ops twin)
-                        "FOLD_ONCE": tk.fold_once(head_dim, cc),
+                        "FOLD_ONCE": launch.fold_once(head_dim, cc),
                     }
                     rows.append(
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
@@ -290,13 +291,13 @@ def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     rows = []
     for head_dim in (128,) if quick else (64, 128):
         for label, kf, vf, key_axis, extra, pointers in METHODS:
-            if key_axis == "token" and head_dim not in tk.TOKEN_KEY_HEAD_DIMS:
+            if key_axis == "token" and head_dim not in launch.TOKEN_KEY_HEAD_DIMS:
                 continue
             (kb, kcode), (vb, vcode) = (METHOD_FORMATS.get(f) or (FORMATS[f][0], 0) for f in (kf, vf))
             extra = dict(extra)
             rope = extra.pop("ROPE", False)
             method = "outliers" if "K_OUTLIERS" in extra else "codes" if rope or (kf, vf) != ("int4", "int4") else ""
-            block_n, warps = tk.launch_config(
+            block_n, warps = launch.launch_config(
                 head_dim, 16, cc, method + ("+rope" if method == "outliers" and rope else "")
             )
             consts = {
@@ -311,7 +312,7 @@ def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                 "V_FP8": 0,
                 "V_GROUP": 16 if vf == "nvfp4" else head_dim,
                 "PTX": True,
-                "FOLD_ONCE": tk.fold_once(head_dim, cc),
+                "FOLD_ONCE": launch.fold_once(head_dim, cc),
                 "K_CODE": kcode,
                 "V_CODE": vcode,
                 "K_ROPE": head_dim if rope else 0,
@@ -324,12 +325,12 @@ def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     return rows
 
 
-KERNELS = {
-    "quantize": "_quantize_kernel",
-    "quantize_methods": "_quantize_methods_kernel",
-    "quantize_nvfp4": "_quantize_nvfp4_kernel",
-    "decode": "_decode_split_kernel",
-    "merge": "_merge_kernel",
+KERNELS = {  # a row's "kernel" -> the @triton.jit function it compiles
+    "quantize": triton_quantize._quantize_kernel,
+    "quantize_methods": triton_quantize._quantize_methods_kernel,
+    "quantize_nvfp4": triton_quantize._quantize_nvfp4_kernel,
+    "decode": triton_decode._decode_split_kernel,
+    "merge": triton_decode._merge_kernel,
 }
 # the device machine's H200 as read there (.library/device/KINDS.md): SMs, SM clock under load, and the
 # device-to-device copy rate (bytes read + written), used as the HBM rate for both contenders
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     print(f"triton {triton.__version__}, sm_{args.arch}")
     for row in rows:
-        fn = getattr(tk, KERNELS[row["kernel"]])
+        fn = KERNELS[row["kernel"]]
         try:
             row |= compile_one(
                 fn,

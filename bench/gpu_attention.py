@@ -5,7 +5,7 @@ Measured in the same run, on one GPU:
 1. copy bandwidth: a device-to-device copy of a large fp16 buffer, (bytes read + written) / time;
 2. quantize-and-pack throughput per format, keys per channel (groups of 128 tokens) and values per
    token, as (bytes read + written) / time and as a fraction of (1);
-3. decode attention time per step: `triton_kernels.past_attention` over packed K/V against torch
+3. decode attention time per step: `triton_decode.past_attention` over packed K/V against torch
    SDPA over a 16-bit cache of the same tokens, Llama-3.1-8B head shapes (32 query heads, 8 kv heads,
    head_dim 128), contexts 4k-128k, batch 1-16. SDPA runs twice, with `enable_gqa=True` and with
    the 4 query heads of a group folded into 4 query rows (the same math for decode, one K/V read),
@@ -195,8 +195,7 @@ def bench_copy(device: torch.device, smoke: bool) -> dict:
 
 
 def bench_quantize(device: torch.device, args, copy_gb_s: float) -> list[dict]:
-    from kvdemo.quant import reference
-    from kvdemo.quant import triton_kernels as tk
+    from kvdemo.quant import reference, triton_quantize
 
     shape = (1, 2, 256, 64) if args.smoke else (8, 8, 32768, 128)  # 512 MiB of fp16 at full size
     x = torch.randn(shape, device=device, dtype=torch.float16)
@@ -204,14 +203,14 @@ def bench_quantize(device: torch.device, args, copy_gb_s: float) -> list[dict]:
     for fmt in _names(args.quant_formats):
         for role, axis in (("keys", "channel"), ("values", "token")):
             group = min(args.group, shape[-1]) if axis == "token" else args.group
-            q = tk.quantize(x, fmt, axis, group)  # outputs (and compilation) outside the timed loop
+            q = triton_quantize.quantize(x, fmt, axis, group)  # outputs (and compilation) outside the timed loop
 
             def run(fmt=fmt, axis=axis, group=group, q=q):
-                tk.quantize_into(x, fmt, axis, group, q.codes, q.scale, q.zero)
+                triton_quantize.quantize_into(x, fmt, axis, group, q.codes, q.scale, q.zero)
 
             us = time_us(run, device, args.smoke)
             want = reference.quantize(x[:, :, :1024], fmt, axis, group)  # a slice: the reference's temporaries
-            got = tk.quantize(x[:, :, :1024], fmt, axis, group)
+            got = triton_quantize.quantize(x[:, :, :1024], fmt, axis, group)
             same = all(
                 (a is None and b is None) or torch.equal(a, b)
                 for a, b in ((got.codes, want.codes), (got.scale, want.scale), (got.zero, want.zero))
@@ -237,17 +236,18 @@ def bench_quantize(device: torch.device, args, copy_gb_s: float) -> list[dict]:
 # --- 3. decode attention --------------------------------------------------------------------------
 
 
-def make_packed(keys: torch.Tensor, values: torch.Tensor, spec, tk):
+def make_packed(keys: torch.Tensor, values: torch.Tensor, spec):
     """PackedKV of `keys`/`values` [B, H, T, D] in the regions that decoding one token at a time leaves
     (kvdemo.layout: sinks, whole quantized blocks, a full-precision residual below `residual` tokens)."""
     from kvdemo.cache import PackedKV, StoredPart
     from kvdemo.layout import Layout
+    from kvdemo.quant import triton_quantize
 
     d = keys.shape[-1]
     r = Layout(spec).regions([1] * keys.shape[-2])
 
     def part(x, fmt, axis, group):
-        coded = tk.quantize(x[:, :, : r.quantized], fmt, axis, group) if r.has_codes else None
+        coded = triton_quantize.quantize(x[:, :, : r.quantized], fmt, axis, group) if r.has_codes else None
         return StoredPart(x[:, :, : r.sinks], coded, x[:, :, r.residual_start :])
 
     k = part(keys, spec.key_format, spec.key_axis, spec.key_group(d))
@@ -290,8 +290,7 @@ def sdpa_us(keys, values, query, device: torch.device, smoke: bool) -> tuple[flo
 
 def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
     from kvdemo.precision import parse_precision
-    from kvdemo.quant import reference
-    from kvdemo.quant import triton_kernels as tk
+    from kvdemo.quant import launch, reference, triton_decode
 
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
     hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
@@ -320,20 +319,20 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
                 kv = method_packed(keys, values, spec)
             else:
                 spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
-                kv = make_packed(keys, values, spec, tk)
-            tri_us = time_us(lambda q=query, kv=kv: tk.past_attention(q, kv, scale), device, args.smoke)
+                kv = make_packed(keys, values, spec)
+            tri_us = time_us(lambda q=query, kv=kv: triton_decode.past_attention(q, kv, scale), device, args.smoke)
             err = None
             if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
-                got = tk.past_attention(query, kv, scale)[0]
+                got = triton_decode.past_attention(query, kv, scale)[0]
                 want = reference.past_attention(query, kv, scale)[0]
                 err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-            packed_bytes = tk.kv_bytes_read(kv)
+            packed_bytes = triton_decode.kv_bytes_read(kv)
             rows.append(
                 base
                 | {
                     "format": fmt,
                     "precision": spec.label,
-                    "kernel": tk.supports_attention(query, kv),  # False: past_attention handed it to the reference
+                    "kernel": launch.supports_attention(query, kv),  # False: past_attention handed it to the reference
                     "triton_us": tri_us,
                     "sdpa_us": sdpa,
                     "sdpa_gqa_us": us_gqa,
@@ -359,32 +358,34 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     """Decode time per launch setting at the goal point (64k context, batch 8; smoke: the last context and
     batch given), int4 and int8, beside SDPA at the same point. `default` marks `launch_config`'s choice."""
     from kvdemo.precision import parse_precision
-    from kvdemo.quant import triton_kernels as tk
+    from kvdemo.quant import launch, triton_decode
 
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
     batch, ctx = (_ints(args.batches)[-1], _ints(args.contexts)[-1]) if args.smoke else GOAL_POINT
     keys, values, query = decode_inputs(batch, ctx, shape, device)
     sdpa = min(sdpa_us(keys, values, query, device, args.smoke))
-    block_n, warps = tk.launch_config(shape["head_dim"], 16, tk.capability(device))
+    block_n, warps = launch.launch_config(shape["head_dim"], 16, launch.capability(device))
     heads = batch * shape["kv_heads"]
     # tile x warps x stages at the default split, then programs per SM at the default tile
     settings = [(n, w, st, None) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]]
-    settings += [(block_n, warps, tk.NUM_STAGES, per_sm) for per_sm in SWEEP["programs_per_sm"]]
+    settings += [(block_n, warps, launch.NUM_STAGES, per_sm) for per_sm in SWEEP["programs_per_sm"]]
     rows = []
     for fmt in ("int4", "int8"):
-        kv = make_packed(keys, values, parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}"), tk)
+        kv = make_packed(keys, values, parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}"))
         for n, w, st, per_sm in settings[:2] + settings[-1:] if args.smoke else settings:
-            splits = None if per_sm is None else tk.splits_for(heads, device, per_sm)
+            splits = None if per_sm is None else launch.splits_for(heads, device, per_sm)
 
             def run(kv=kv, n=n, w=w, st=st, splits=splits):
                 scale = shape["head_dim"] ** -0.5
-                return tk.past_attention(query, kv, scale, num_splits=splits, block_n=n, num_warps=w, num_stages=st)
+                return triton_decode.past_attention(
+                    query, kv, scale, num_splits=splits, block_n=n, num_warps=w, num_stages=st
+                )
 
             us = time_us(run, device, args.smoke)
             rows.append(
                 {"format": fmt, "context": ctx, "batch": batch, "block_n": n, "num_warps": w, "num_stages": st}
-                | {"programs_per_sm": per_sm or tk.PROGRAMS_PER_SM, "us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
-                | {"default": (n, w, st, per_sm) == (block_n, warps, tk.NUM_STAGES, None)}
+                | {"programs_per_sm": per_sm or launch.PROGRAMS_PER_SM, "us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
+                | {"default": (n, w, st, per_sm) == (block_n, warps, launch.NUM_STAGES, None)}
             )
     return rows
 
@@ -432,7 +433,7 @@ def e2e_model_and_prompt(source: str, device: torch.device, n_tokens: int, new_t
 def bench_e2e(device: torch.device, args) -> list[dict]:
     from kvdemo import runner
     from kvdemo.precision import parse_precision
-    from kvdemo.quant import BACKEND_ENV
+    from kvdemo.quant.backend import BACKEND_ENV
 
     rows = []
     suffix = f":g{args.group}:r{args.residual}"
@@ -543,9 +544,9 @@ def long_row(job: dict, lm) -> dict:
     patched.append((reference, "past_attention_streamed", counted(streamed, "reference_streamed_calls")))
     patched.append((reference, "past_attention", counted(reference.past_attention, "reference_calls")))
     if attention.backend_for(lm.device) == "triton":
-        from kvdemo.quant import triton_kernels
+        from kvdemo.quant import triton_decode
 
-        patched.append((triton_kernels, "past_attention", counted(triton_kernels.past_attention, "triton_calls")))
+        patched.append((triton_decode, "past_attention", counted(triton_decode.past_attention, "triton_calls")))
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
     try:
         for mod, name, fn in patched:
@@ -591,7 +592,7 @@ def long_worker_main() -> int:
     on stdout. One process for the section's rows (one import, one CUDA context); a row's model stays
     loaded for the next row of the same shape."""
     from kvdemo.models import random_model
-    from kvdemo.quant import BACKEND_ENV
+    from kvdemo.quant.backend import BACKEND_ENV
 
     parent = os.getppid()
 

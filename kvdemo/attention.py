@@ -109,9 +109,9 @@ def past_attention(query, packed, scaling, mask=None, softcap=None):
     to the PyTorch reference: the Triton kernel implements neither.
     """
     if backend_for(query.device) == "triton" and mask is None and softcap is None:
-        from .quant import triton_kernels
+        from .quant import triton_decode
 
-        return triton_kernels.past_attention(query, fp16_clamped(packed), scaling)
+        return triton_decode.past_attention(query, fp16_clamped(packed), scaling)
     return reference.past_attention(query, packed, scaling, mask, softcap=softcap)
 
 
@@ -209,11 +209,11 @@ def long_past_attention(query, packed, scaling, mask=None, softcap=None, window=
     b, hq, n, d = query.shape
     window_cuts = window is not None and packed.length + n > window
     if backend_for(query.device) == "triton" and mask is None and softcap is None and not window_cuts:
-        from .quant import triton_kernels
+        from .quant import launch, triton_decode
 
-        tile = max(1, triton_kernels.max_block_m(d, packed) // (hq // packed.kv_heads))  # queries per launch
+        tile = max(1, launch.max_block_m(d, packed) // (hq // packed.kv_heads))  # queries per launch
         kv = fp16_clamped(packed)
-        parts = [triton_kernels.past_attention(query[:, :, i : i + tile], kv, scaling) for i in range(0, n, tile)]
+        parts = [triton_decode.past_attention(query[:, :, i : i + tile], kv, scaling) for i in range(0, n, tile)]
         return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
     return reference.past_attention_streamed(query, packed, scaling, mask, softcap, window if window_cuts else None)
 

@@ -1,4 +1,5 @@
-"""Triton kernels (kvdemo/quant/triton_kernels.py) against the PyTorch reference, under TRITON_INTERPRET=1.
+"""Triton quantize and decode kernels (kvdemo/quant/triton_quantize.py, triton_decode.py) against the PyTorch
+reference, under TRITON_INTERPRET=1.
 
 Stated bounds:
 - quantize: codes, scales and zero points are bit-identical to `reference.quantize` (every format,
@@ -12,7 +13,7 @@ Stated bounds:
 Shapes are tiny: the interpreter runs every program in Python.
 
 On a GPU machine the same tests run compiled: ``KVDEMO_TRITON_TEST_DEVICE=cuda TRITON_INTERPRET=0
-pytest tests/test_triton.py`` (bench/device_check.sh does). The `tk` fixture then moves each kernel
+pytest tests/test_triton.py`` (bench/device_check.sh does). The `tq` and `td` fixtures then move each kernel
 call's tensors to the GPU and its results back, so every test compares the compiled kernels with the
 CPU reference unchanged.
 """
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,15 +41,19 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from kvdemo import attention  # noqa: E402
-from kvdemo import quant as kvquant  # noqa: E402
 from kvdemo.cache import CacheView, QuantizedLayer  # noqa: E402
 from kvdemo.precision import parse_precision  # noqa: E402
+from kvdemo.quant import backend as quant_backend  # noqa: E402
+from kvdemo.quant import (  # noqa: E402
+    launch,
+    triton_codes,
+)
 from kvdemo.quant import reference as ref  # noqa: E402
-from kvdemo.quant import triton_kernels as kernels  # noqa: E402
 
 pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2")
+KERNEL_MODULES = ("ptx", "triton_codes", "triton_quantize", "launch", "triton_decode")  # each after its imports
 
 
 def shallow(fn, *args, **kwargs):
@@ -67,20 +73,41 @@ def assert_attention_close(got: torch.Tensor, want: torch.Tensor, what: str = "o
     torch.testing.assert_close(got, want, rtol=0.0, atol={"out": 2e-3, "lse": 1e-4}[what] * scale)
 
 
-@pytest.fixture(scope="module")
-def tk():
-    """The kernels module: interpreted on CPU tensors, or compiled behind `OnDevice` (see the docstring)."""
+@pytest.fixture(scope="module", name="kernel_modules")
+def fixture_kernel_modules():
+    """kvdemo.quant's Triton modules by name (`kernel_modules.triton_decode`, ...), their kernels interpreted on
+    CPU tensors: modules first imported compiled are reloaded in KERNEL_MODULES' order, so each one's kernels
+    call the interpreted helpers of the modules before it. Compiled on DEVICE (see the docstring)."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
-    from kvdemo.quant import triton_kernels
+    modules = {name: importlib.import_module(f"kvdemo.quant.{name}") for name in KERNEL_MODULES}
+
+    def jitted():
+        return [
+            f for m in modules.values() for f in vars(m).values() if isinstance(f, JITFunction | InterpretedFunction)
+        ]
 
     if DEVICE != "cpu":
-        assert not isinstance(triton_kernels._decode_split_kernel, InterpretedFunction), "unset TRITON_INTERPRET"
-        return OnDevice(triton_kernels)
-    if not isinstance(triton_kernels._quantize_kernel, InterpretedFunction):
-        triton_kernels = importlib.reload(triton_kernels)
-    assert isinstance(triton_kernels._decode_split_kernel, InterpretedFunction)
-    return triton_kernels
+        assert not any(isinstance(f, InterpretedFunction) for f in jitted()), "unset TRITON_INTERPRET"
+    elif not all(isinstance(f, InterpretedFunction) for f in jitted()):
+        modules = {name: importlib.reload(module) for name, module in modules.items()}
+    assert jitted() and all(isinstance(f, InterpretedFunction) == (DEVICE == "cpu") for f in jitted())
+    return SimpleNamespace(**modules)
+
+
+@pytest.fixture(scope="module", name="tq")
+def fixture_tq(kernel_modules):
+    """kvdemo.quant.triton_quantize: interpreted on CPU tensors, or compiled behind `OnDevice`."""
+    module = kernel_modules.triton_quantize
+    return module if DEVICE == "cpu" else OnDevice(module)
+
+
+@pytest.fixture(scope="module", name="td")
+def fixture_td(kernel_modules):
+    """kvdemo.quant.triton_decode: interpreted on CPU tensors, or compiled behind `OnDevice`."""
+    module = kernel_modules.triton_decode
+    return module if DEVICE == "cpu" else OnDevice(module)
 
 
 def _to(obj, device):
@@ -96,7 +123,8 @@ def _to(obj, device):
 
 
 class OnDevice:
-    """The kernels module with each call's tensors on DEVICE and its results back on the CPU."""
+    """A kernels module (triton_quantize, triton_decode) with each call's tensors on DEVICE and its results back
+    on the CPU."""
 
     def __init__(self, module):
         self._module = module
@@ -147,14 +175,14 @@ def _fp8_roundtrip_kernel(x_ptr, enc_ptr, byte_ptr, dec_ptr, n, FP8: tl.constexp
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + offs, mask=ok, other=0.0)
-    tl.store(enc_ptr + offs, kernels._fp8_encode(x, FP8).to(tl.uint8), mask=ok)
+    tl.store(enc_ptr + offs, triton_codes._fp8_encode(x, FP8).to(tl.uint8), mask=ok)
     byte = tl.load(byte_ptr + offs, mask=ok, other=0).to(tl.int32)
-    tl.store(dec_ptr + offs, kernels._fp8_decode(byte, FP8), mask=ok)
+    tl.store(dec_ptr + offs, triton_codes._fp8_decode(byte, FP8), mask=ok)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply")  # NaN bytes / 256 in numpy
-def test_fp8_bits_match_torch(tk, fmt):
+def test_fp8_bits_match_torch(kernel_modules, fmt):
     """Encode: round-to-nearest-even like torch, ties, subnormals and carries into the exponent
     included (Triton's interpreter gets these wrong with a float8 cast). Decode: every byte exactly
     (as value / 256, the unit the attention kernel unpacks fp8 codes in)."""
@@ -170,7 +198,7 @@ def test_fp8_bits_match_torch(tk, fmt):
     byte = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
     dec = torch.empty(n)
     args = [t.to(DEVICE) for t in (x, enc, byte, dec)]
-    _fp8_roundtrip_kernel[(1,)](*args, n, FP8=tk.FP8_CODE[fmt], BLOCK=triton.next_power_of_2(n))
+    _fp8_roundtrip_kernel[(1,)](*args, n, FP8=triton_codes.FP8_CODE[fmt], BLOCK=triton.next_power_of_2(n))
     enc, dec = args[1].cpu(), args[3].cpu()
     assert torch.equal(enc, x.to(dtype).view(torch.uint8))
     want = byte.view(dtype).float()
@@ -183,16 +211,16 @@ def test_fp8_bits_match_torch(tk, fmt):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_matches_reference(tk, fmt, head_dim):
+def test_quantize_matches_reference(tq, fmt, head_dim):
     # keys per channel (two 32-token blocks), values per token with groups smaller than, equal to
     # and (for packed formats) spanning several code planes; an odd token count on the token axis
     for axis, group, tokens in (("channel", 32, 64), ("token", 16, 37), ("token", head_dim, 37)):
         x = _keys((1, 2, tokens, head_dim), seed=head_dim + tokens)
-        _assert_same_quantized(ref.quantize(x, fmt, axis, group), tk.quantize(x, fmt, axis, group))
+        _assert_same_quantized(ref.quantize(x, fmt, axis, group), tq.quantize(x, fmt, axis, group))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_quantize_edge_values_and_dtypes(tk, fmt):
+def test_quantize_edge_values_and_dtypes(tq, fmt):
     x = _keys((2, 1, 32, 64), seed=3)
     x[0, 0, 5, 7] = float("nan")
     x[0, 0, 6, 8] = float("inf")
@@ -204,41 +232,41 @@ def test_quantize_edge_values_and_dtypes(tk, fmt):
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         xd = x.to(dtype)
         for axis, group in (("channel", 16), ("token", 32)):
-            _assert_same_quantized(ref.quantize(xd, fmt, axis, group), tk.quantize(xd, fmt, axis, group))
+            _assert_same_quantized(ref.quantize(xd, fmt, axis, group), tq.quantize(xd, fmt, axis, group))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
-def test_quantize_rounds_ties_to_even(tk, fmt):
+def test_quantize_rounds_ties_to_even(tq, fmt):
     """Groups spanning [0, levels] have scale 1, so k + 0.5 is an exact tie: half-to-even, as torch."""
     levels = (1 << ref.INT_BITS[fmt]) - 1
     row = torch.cat([torch.tensor([0.0, float(levels)]), torch.arange(levels) + 0.5])  # 2 + levels values
     row = row.repeat(-(-32 // row.numel()))[:32]
     row[0], row[1] = 0.0, float(levels)
     x = row.view(1, 1, 1, 32).expand(1, 1, 32, 32).clone()  # token axis: each token is one group of 32
-    q = tk.quantize(x, fmt, "token", 32)
+    q = tq.quantize(x, fmt, "token", 32)
     _assert_same_quantized(ref.quantize(x, fmt, "token", 32), q)
     codes = ref.unpack(q.codes, ref.INT_BITS[fmt])[0, 0, 0].float()
     assert torch.equal(codes, row.round())  # torch.round: half to even
     xt = x.transpose(-1, -2).contiguous()  # channel axis: each channel is one group of 32 tokens
-    _assert_same_quantized(ref.quantize(xt, fmt, "channel", 32), tk.quantize(xt, fmt, "channel", 32))
+    _assert_same_quantized(ref.quantize(xt, fmt, "channel", 32), tq.quantize(xt, fmt, "channel", 32))
 
 
-def test_quantize_strided_input_and_large_groups(tk):
+def test_quantize_strided_input_and_large_groups(tq):
     base = _keys((1, 24, 3, 64), seed=5)  # [B, T, H, D] as a model's projection would lay it out
     x = base.transpose(1, 2)  # [B, H, T, D], non-contiguous
     for fmt in ("int4", "fp8_e4m3"):
-        _assert_same_quantized(ref.quantize(x, fmt, "token", 64), tk.quantize(x, fmt, "token", 64))
+        _assert_same_quantized(ref.quantize(x, fmt, "token", 64), tq.quantize(x, fmt, "token", 64))
     y = _keys((1, 1, 256, 64), seed=6)
     for fmt in ("int8", "int2"):
-        _assert_same_quantized(ref.quantize(y, fmt, "channel", 256), tk.quantize(y, fmt, "channel", 256))
+        _assert_same_quantized(ref.quantize(y, fmt, "channel", 256), tq.quantize(y, fmt, "channel", 256))
 
 
-def test_quantize_into_writes_only_its_rows(tk):
+def test_quantize_into_writes_only_its_rows(tq):
     x = _keys((1, 2, 32, 64), seed=7)
     codes = torch.full((1, 2, 96, 32), 0xAB, dtype=torch.uint8)  # a preallocated int4 buffer
     scale = torch.full((1, 2, 6, 64), 7.0, dtype=torch.float16)
     zero = torch.full((1, 2, 6, 64), 7.0, dtype=torch.float16)
-    tk.quantize_into(x, "int4", "channel", 16, codes[:, :, 32:64], scale[:, :, 2:4], zero[:, :, 2:4])
+    tq.quantize_into(x, "int4", "channel", 16, codes[:, :, 32:64], scale[:, :, 2:4], zero[:, :, 2:4])
     want = ref.quantize(x, "int4", "channel", 16)
     assert torch.equal(codes[:, :, 32:64], want.codes)
     assert torch.equal(scale[:, :, 2:4], want.scale) and torch.equal(zero[:, :, 2:4], want.zero)
@@ -246,16 +274,16 @@ def test_quantize_into_writes_only_its_rows(tk):
     assert bool((scale[:, :, :2] == 7).all() and (scale[:, :, 4:] == 7).all() and (zero[:, :, 4:] == 7).all())
 
 
-def test_quantize_rejects_bad_input(tk):
+def test_quantize_rejects_bad_input(tq):
     x = torch.randn(1, 1, 20, 64)
     with pytest.raises(ValueError, match="whole number"):
-        tk.quantize(x, "int4", "channel", 16)
+        tq.quantize(x, "int4", "channel", 16)
     with pytest.raises(ValueError, match="head_dim"):
-        tk.quantize(torch.randn(1, 1, 16, 80), "int4", "token", 16)
+        tq.quantize(torch.randn(1, 1, 16, 80), "int4", "token", 16)
     with pytest.raises(ValueError, match=r"\[B, H, T, D\]"):
-        tk.quantize(torch.randn(20, 64), "int8", "token", 64)
+        tq.quantize(torch.randn(20, 64), "int8", "token", 64)
     with pytest.raises(ValueError, match="codes must be"):
-        tk.quantize_into(x, "int8", "token", 64, torch.empty(1, 1, 20, 32, dtype=torch.uint8), None, None)
+        tq.quantize_into(x, "int8", "token", 64, torch.empty(1, 1, 20, 32, dtype=torch.uint8), None, None)
 
 
 # --- fused decode attention -----------------------------------------------------------------------
@@ -292,63 +320,63 @@ ATTENTION_CASES = [
 
 
 @pytest.mark.parametrize("spec,hkv,grp,head_dim,chunks,n_q,splits", ATTENTION_CASES)
-def test_past_attention_matches_reference(tk, spec, hkv, grp, head_dim, chunks, n_q, splits):
+def test_past_attention_matches_reference(td, spec, hkv, grp, head_dim, chunks, n_q, splits):
     kv = _layer(spec, hkv, head_dim, chunks, seed=len(spec) + sum(chunks)).packed()
     query = torch.randn(1, hkv * grp, n_q, head_dim, generator=torch.Generator().manual_seed(9))
     want_out, want_lse = ref.past_attention(query, kv, head_dim**-0.5)
-    out, lse = tk.past_attention(query, kv, head_dim**-0.5, num_splits=splits)
+    out, lse = td.past_attention(query, kv, head_dim**-0.5, num_splits=splits)
     assert out.dtype == lse.dtype == torch.float32
     assert_attention_close(out, want_out)
     assert_attention_close(lse, want_lse, "lse")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_past_attention_every_format_with_split_merge(tk, fmt):
+def test_past_attention_every_format_with_split_merge(td, fmt):
     spec = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}.get(fmt, fmt) + ":g16:r16:s4"
     kv = _layer(spec, 1, 64, [71], seed=11).packed()
     query = torch.randn(1, 3, 1, 64, generator=torch.Generator().manual_seed(12))
     want_out, want_lse = ref.past_attention(query, kv, 0.125)
     for splits in (1, 3, 50):  # one program, several, more than there are tiles
-        out, lse = tk.past_attention(query, kv, 0.125, num_splits=splits)
+        out, lse = td.past_attention(query, kv, 0.125, num_splits=splits)
         assert_attention_close(out, want_out)
         assert_attention_close(lse, want_lse, "lse")
 
 
-def test_past_attention_mid_block_past_and_half_precision(tk):
+def test_past_attention_mid_block_past_and_half_precision(td):
     # the past of a call whose own tokens were already flushed: Q is not a multiple of the group size
     layer = _layer("int4:g16:r16:s4", 1, 64, [40, 8], seed=13)
     kv = layer.packed(45)
     assert kv.quant_len == 45 and kv.quant_len % 16
     query = torch.randn(1, 3, 64, 2)[..., :1].transpose(-1, -2)  # [B, Hq, n, D], last-dim stride 2
     assert query.stride(-1) == 2
-    assert_attention_close(tk.past_attention(query, kv, 0.125)[0], ref.past_attention(query, kv, 0.125)[0])
+    assert_attention_close(td.past_attention(query, kv, 0.125)[0], ref.past_attention(query, kv, 0.125)[0])
     for dtype in (torch.float16, torch.bfloat16):  # a 16-bit model's queries, sinks and residual
         half = _layer("int8:g16:r16:s4", 1, 64, [53], seed=14, dtype=dtype).packed()
         q16 = torch.randn(1, 3, 1, 64).to(dtype)
         want = ref.past_attention(q16, half, 0.125)
-        got = tk.past_attention(q16, half, 0.125)
+        got = td.past_attention(q16, half, 0.125)
         assert_attention_close(got[0], want[0])
         assert_attention_close(got[1], want[1], "lse")
 
 
 @pytest.mark.parametrize("block_n,num_warps", [(16, 4), (64, 8), (128, 4)])
-def test_past_attention_launch_settings_change_only_speed(tk, block_n, num_warps):
+def test_past_attention_launch_settings_change_only_speed(td, block_n, num_warps):
     """Tiles of 16..128 tokens (capped by the key group) give the same attention as the reference."""
     for i, spec in enumerate(("int4:g32:r32:s4", "k8v4:g16:r16:s2:ktoken", "int8:g128:r128:s4", "full")):
         kv = _layer(spec, 2, 64, [150, 1], seed=30 + i).packed()
         query = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(31 + i))
         want_out, want_lse = ref.past_attention(query, kv, 0.125)
-        out, lse = tk.past_attention(query, kv, 0.125, num_splits=3, block_n=block_n, num_warps=num_warps)
+        out, lse = td.past_attention(query, kv, 0.125, num_splits=3, block_n=block_n, num_warps=num_warps)
         assert_attention_close(out, want_out)
         assert_attention_close(lse, want_lse, "lse")
     with pytest.raises(ValueError, match="power of two"):
-        tk.past_attention(query, kv, 0.125, block_n=24)
+        td.past_attention(query, kv, 0.125, block_n=24)
 
 
-def test_past_attention_halves_the_default_tile_where_shared_memory_is_short(tk, monkeypatch):
+def test_past_attention_halves_the_default_tile_where_shared_memory_is_short(td, monkeypatch):
     """A GPU with less shared memory per block than sm_90 (a T4: 64 KiB) rejects the default 64-token tile
     at launch: the call retries with 32 and remembers it for the shape; a tile the caller chose stays."""
-    module = getattr(tk, "_module", tk)
+    module = getattr(td, "_module", td)
     real = module._decode_split_kernel
     tiles = []
 
@@ -368,35 +396,35 @@ def test_past_attention_halves_the_default_tile_where_shared_memory_is_short(tk,
     query = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(42))
     want_out, want_lse = ref.past_attention(query, kv, 0.125)
     for _ in range(2):
-        out, lse = tk.past_attention(query, kv, 0.125)
+        out, lse = td.past_attention(query, kv, 0.125)
         assert_attention_close(out, want_out)
         assert_attention_close(lse, want_lse, "lse")
     assert tiles == [64, 32, 32]  # halved once, then remembered for the shape
     with pytest.raises(triton.runtime.errors.OutOfResources):
-        tk.past_attention(query, kv, 0.125, block_n=64)
+        td.past_attention(query, kv, 0.125, block_n=64)
 
 
-def test_past_attention_many_query_rows(tk):
+def test_past_attention_many_query_rows(td):
     """GQA 8 x 5 queries = 40 rows (a 64-row program); past the tile limit the reference takes over."""
     kv = _layer("int4:g32:r32:s4", 1, 64, [90], seed=40).packed()
     query = torch.randn(1, 8, 5, 64, generator=torch.Generator().manual_seed(41))
-    assert tk.supports_attention(query, kv)
+    assert launch.supports_attention(query, kv)
     want_out, want_lse = ref.past_attention(query, kv, 0.125)
-    out, lse = tk.past_attention(query, kv, 0.125)
+    out, lse = td.past_attention(query, kv, 0.125)
     assert_attention_close(out, want_out)
     assert_attention_close(lse, want_lse, "lse")
     wide = _layer("int4:g32:r32:s4", 1, 128, [90], seed=42).packed()
     big = torch.randn(1, 8, 9, 128, generator=torch.Generator().manual_seed(43))  # 72 rows -> 128 x 128 > limit
-    assert not tk.supports_attention(big, wide)
+    assert not launch.supports_attention(big, wide)
     handed = ref.past_attention(big.to(DEVICE), _to(wide, DEVICE), 0.1)  # the reference, on the kernel's device
-    torch.testing.assert_close(tk.past_attention(big, wide, 0.1), tuple(t.cpu() for t in handed), rtol=0, atol=0)
+    torch.testing.assert_close(td.past_attention(big, wide, 0.1), tuple(t.cpu() for t in handed), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
     "spec", ["int8:g16:r16:s2", "int2:g16:r16", "fp8:g16:r16:s2", "fp8-e5m2:g16:r16", "k8v4:g16:r16:ktoken"]
 )
 @pytest.mark.parametrize("magnitude", [1e-3, 300.0])
-def test_past_attention_tiny_and_huge_magnitudes(tk, spec, magnitude):
+def test_past_attention_tiny_and_huge_magnitudes(td, spec, magnitude):
     """Keys and values far from 1 (fp16 operands have 5 exponent bits): scores stay fp32-accurate."""
     layer = QuantizedLayer(parse_precision(spec))
     g = torch.Generator().manual_seed(50)
@@ -405,20 +433,20 @@ def test_past_attention_tiny_and_huge_magnitudes(tk, spec, magnitude):
     kv = layer.packed()
     query = torch.randn(1, 3, 1, 64, generator=g) * (1.0 / magnitude if magnitude > 1 else 10.0)
     want_out, want_lse = ref.past_attention(query, kv, 0.125)
-    out, lse = tk.past_attention(query, kv, 0.125, num_splits=2)
+    out, lse = td.past_attention(query, kv, 0.125, num_splits=2)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_attention_close(out, want_out)
     assert_attention_close(lse, want_lse, "lse")
 
 
-def test_past_attention_falls_back_for_masks_and_odd_head_dims(tk):
+def test_past_attention_falls_back_for_masks_and_odd_head_dims(td):
     kv = _layer("int8:g16:r16:s4", 1, 64, [40], seed=15).packed()
     query = torch.randn(1, 2, 1, 64)
     mask = torch.ones(1, 1, 1, kv.length, dtype=torch.bool)
     mask[..., 10:20] = False
-    torch.testing.assert_close(tk.past_attention(query, kv, 0.125, mask), ref.past_attention(query, kv, 0.125, mask))
-    assert not tk.supports_attention(torch.randn(1, 2, 1, 80), _layer("int8:g16:r16", 1, 80, [40], seed=1).packed())
-    assert tk.supports_attention(query, kv)
+    torch.testing.assert_close(td.past_attention(query, kv, 0.125, mask), ref.past_attention(query, kv, 0.125, mask))
+    assert not launch.supports_attention(torch.randn(1, 2, 1, 80), _layer("int8:g16:r16", 1, 80, [40], seed=1).packed())
+    assert launch.supports_attention(query, kv)
 
 
 # --- dispatch -------------------------------------------------------------------------------------
@@ -426,30 +454,30 @@ def test_past_attention_falls_back_for_masks_and_odd_head_dims(tk):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU dispatch rules (TRITON_INTERPRET=1)")
 def test_backend_selection(monkeypatch):
-    monkeypatch.delenv(kvquant.BACKEND_ENV, raising=False)
-    assert kvquant.backend_for("cpu") == "torch"
+    monkeypatch.delenv(quant_backend.BACKEND_ENV, raising=False)
+    assert quant_backend.backend_for("cpu") == "torch"
     assert attention.backend_for(torch.device("cpu")) == "torch"
-    assert kvquant.backend_for("cuda") == "triton"  # decided by device type; nothing runs here
-    monkeypatch.setenv(kvquant.BACKEND_ENV, "torch")
-    assert kvquant.backend_for("cuda") == "torch"
-    monkeypatch.setenv(kvquant.BACKEND_ENV, "triton")
-    assert kvquant.backend_for("cpu") == "triton"  # TRITON_INTERPRET=1 is set in this module
+    assert quant_backend.backend_for("cuda") == "triton"  # decided by device type; nothing runs here
+    monkeypatch.setenv(quant_backend.BACKEND_ENV, "torch")
+    assert quant_backend.backend_for("cuda") == "torch"
+    monkeypatch.setenv(quant_backend.BACKEND_ENV, "triton")
+    assert quant_backend.backend_for("cpu") == "triton"  # TRITON_INTERPRET=1 is set in this module
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        kvquant.backend_for("cpu")
-    monkeypatch.setenv(kvquant.BACKEND_ENV, "cuda-please")
+        quant_backend.backend_for("cpu")
+    monkeypatch.setenv(quant_backend.BACKEND_ENV, "cuda-please")
     with pytest.raises(ValueError, match="allowed: torch, triton"):
-        kvquant.backend_for("cpu")
+        quant_backend.backend_for("cpu")
 
 
-def test_cache_and_attention_through_the_triton_backend(tk, monkeypatch):
+def test_cache_and_attention_through_the_triton_backend(kernel_modules, monkeypatch):
     """QuantizedLayer's quantize-on-append and kvdemo attention's decode path, dispatched to Triton,
     give the same bytes and (within tolerance) the same attention output as the torch backend."""
     spec, grp = "k8v4:g16:r16:s4", 3
     states = [_keys((1, 2, n, 64), seed=20 + n).to(DEVICE) for n in (37, 1, 1)]
     runs = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        monkeypatch.setenv(quant_backend.BACKEND_ENV, backend)
         layer = QuantizedLayer(parse_precision(spec))
         outs = []
         for i, k in enumerate(states):
@@ -481,7 +509,7 @@ def test_embedded_model_same_greedy_tokens_on_both_backends(lm, monkeypatch):
     ids = prose_ids(lm, 150)
     runs = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        monkeypatch.setenv(quant_backend.BACKEND_ENV, backend)
         runs[backend] = shallow(runner.run_precision, lm, ids, "k8v4:g32:r32:s4", 6, keep_logits=True)
     torch_run, triton_run = runs["torch"], runs["triton"]
     assert len(torch_run.tokens) == 6 and triton_run.tokens == torch_run.tokens

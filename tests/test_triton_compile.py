@@ -1,10 +1,20 @@
-"""The Triton kernels compile for sm_90 (H100/H200) on this CPU machine, without register spills.
+"""The Triton kernels compile for sm_90 (H100/H200) on this CPU machine, without register spills, and the
+decode loop's instruction counts stay within budget.
 
 The interpreter tests (test_triton.py) check what the kernels compute; they cannot see what only the
 GPU compiler sees: ops it rejects, register spills, shared memory. `bench/compile_sm90.py --quick`
 compiles a representative set of variants ahead of time with the ptxas Triton ships and reads
-registers and local-memory stores (spills) from the machine code. It runs in a subprocess: the
+registers and local-memory stores (spills) from the machine code. It runs once, in a subprocess: the
 interpreter tests set TRITON_INTERPRET=1 for this whole process.
+
+Instruction counts depend on the Triton that compiles: triton 3.6 (the device machine's) gives the int4
+decode loop 58.5 warp instructions per token where 3.9 (requirements.txt) gives 48.1, and the other rows
+move by -3% to +26% between the two. So the budgets are per triton major.minor: each measured version has
+a shipped compile report (REPORTS), and a count may grow by GROWTH over its own version's. Counts relative
+to the int4 row of the same compile are held to the ratios the reports measured on every version, so a
+version without a report still fails a regression of any row against int4 (its budget test skips, saying
+so). What holds on every version (no spills, 16-byte copies, tensor cores, the key fold's branch) is
+checked without a table.
 """
 
 from __future__ import annotations
@@ -22,21 +32,16 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[1]
 
-
-# decode loop of the methods at head_dim 128, decode rows (bench/compile_sm90.py, triton 3.9): plain int4 is 48
-METHOD_ISSUE_PER_TOKEN = {
-    ("k:nuq4 v:nuq4", "channel"): 92.5,  # byte-permute lookups (_PTX_NUQ4); 181.3 with the select tree
-    ("k:nuq3 v:nuq3", "channel"): 91.0,  # _PTX_NUQ3; 134.2 with the select tree
-    ("k:nuq2 v:nuq2", "channel"): 66.6,  # _PTX_NUQ2; 86.4 with the select tree
-    ("k:int3 v:int3", "channel"): 90.0,  # _PTX_NUQ3 on the codebook 0..7; 127.2 with bit operations
-    ("k:nuq3 v:nuq3 o2", "channel"): 323.4,
-    ("k:int4 v:int4 o2", "channel"): 274.3,
-    ("k:int4 v:int4 hadamard", "channel"): 48.0,
-    ("k:int4 v:int4 prerope", "channel"): 130.6,
-    ("k:nuq4 v:nuq4 o2 prerope", "channel"): 338.5,
-    ("k:nvfp4 v:nvfp4", "token"): 133.9,
-    ("k:nuq3 v:nuq3", "token"): 105.4,
-}
+# `bench/compile_sm90.py --quick --json` reports by the triton major.minor that compiled them (each file's
+# "triton" field): 3.9 the pinned one; 3.6 the device machine's, compiled here by a triton 3.6.0 wheel
+# installed beside it (`pip install --target DIR triton==3.6.0`, then PYTHONPATH=DIR), whose goal-point
+# counts are those the device machine's GPU run measured (assets/reports/gpu/gpu_attention.json).
+REPORTS = {"3.9": "compile_sm90_quick.json", "3.6": "compile_sm90_quick_triton3.6.json"}
+GROWTH = 1.1  # a count may grow 10% over its measured value (or its ratio to int4) before a test fails
+YARDSTICK = ("k:int4 v:int4", "channel")  # the plain int4 decode row the relative budgets divide by
+# What the budgets have caught (triton 3.9, int4): 89 warp instructions per token before the key fold ran
+# once per key block, 70.4 before the PTX unpacking; nuq4 181.3, nuq3 134.2, nuq2 86.4, int3 127.2 before
+# their byte-permute lookups (README "KVQuant's methods").
 
 
 def _compile_sm90():
@@ -49,14 +54,57 @@ def _compile_sm90():
     return compile_sm90
 
 
-def test_kernels_compile_for_sm90_without_spills(tmp_path):
-    out = tmp_path / "sm90.json"
+def _report(name: str) -> dict:
+    return json.loads((ROOT / "assets" / "reports" / name).read_text())
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def issue_counts(rows: list[dict]) -> dict:
+    """(format, key axis) -> the decode loop's warp instructions per token, for the rows compile_sm90 counts them
+    for (head_dim 128, decode rows: the goal-point rows and the methods beyond uniform codes)."""
+    return {(r["format"], r["axis"]): r["issue_per_token"] for r in rows if "issue_per_token" in r}
+
+
+def budget_misses(counts: dict, version: str) -> list[str]:
+    """Rows over GROWTH x what triton `version`'s report measured, and rows only one of the two has."""
+    measured = issue_counts(_report(REPORTS[version])["rows"])
+    misses = [f"{row}: not in both this compile and triton {version}'s report" for row in counts.keys() ^ measured]
+    over = [(row, n) for row, n in counts.items() if row in measured and n > GROWTH * measured[row]]
+    return misses + [f"{row}: {n} > {GROWTH} x {measured[row]} (triton {version})" for row, n in over]
+
+
+def relative_misses(counts: dict, version: str) -> list[str]:
+    """Rows whose count over the int4 row's (the same compile) is over GROWTH x the ratio triton `version`'s report
+    gave; for a version without a report, the largest ratio any report gave."""
+    known = [version] if version in REPORTS else list(REPORTS)
+    measured = [issue_counts(_report(REPORTS[v])["rows"]) for v in known]
+    misses = []
+    for row, n in counts.items():
+        ratios = [m[row] / m[YARDSTICK] for m in measured if row in m]
+        if not ratios:
+            misses.append(f"{row}: in no report of triton {', '.join(known)}")
+        elif n / counts[YARDSTICK] > GROWTH * max(ratios):
+            misses.append(f"{row}: {n / counts[YARDSTICK]:.3f} x int4 > {GROWTH} x {max(ratios):.3f}")
+    return misses
+
+
+@pytest.fixture(scope="module")
+def sm90(tmp_path_factory) -> dict:
+    """`bench/compile_sm90.py --quick --strict` (fails on any spill or compile error), once: its JSON report."""
+    out = tmp_path_factory.mktemp("sm90") / "sm90.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # keep a triton given there
     cmd = [sys.executable, str(ROOT / "bench" / "compile_sm90.py"), "--quick", "--strict", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())
+
+
+def test_kernels_compile_for_sm90_without_spills(sm90):
+    rows = sm90["rows"]
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"quantize", "quantize_methods", "quantize_nvfp4", "decode", "merge"}
     assert all("error" not in r for r in rows)
@@ -73,20 +121,50 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert llama and all(set(r["async_copy_bytes"]) == {"16"} for r in llama if "int2" not in r["format"])
     quantize = [r for r in rows if r["kernel"] == "quantize"]
     assert all(set(r["global_loads"]) == {"ld.global.v4.b32"} for r in quantize)  # 16-byte vector loads
-    # the decode loop's cost at Llama-8B shapes: the key-block fold runs on entering a block, not per tile
-    # (a predicated block in the loop), and the warp instructions per cached token stay within budget
-    # (45.7-51.2 with triton 3.9; 89 before the fold moved, 70.4 before the PTX unpacking). A regression
-    # guard on a deterministic count, not a timing.
+    # the key-block fold runs on entering a block, not per tile (a predicated block in the loop), and the
+    # issue floor is a count of the loop, not nonsense: within 4x of the memory floor
     for r in llama:
         assert r["loop_conditional"] > 0 and r["goal_floors"]["issue_ms"] > r["goal_floors"]["memory_ms"] / 4, r
-        assert r["issue_per_token"] <= 54, (r["format"], r["issue_per_token"])
-    # the methods beyond uniform codes (nuq codebooks, bit-sliced 3-bit, nvfp4, outliers, Hadamard, pre-RoPE) at
-    # head_dim 128, decode rows: compiled without spills (above) with the tiles `launch_config` picks for them,
-    # and the decode loop's warp instructions per token within 10% of what triton 3.9 gives (a regression guard)
-    methods = {(r["format"], r["axis"]): r for r in decode if "method" in r}
-    for (fmt, axis), measured in METHOD_ISSUE_PER_TOKEN.items():
-        r = methods[(fmt, axis)]
-        assert r["head_dim"] == 128 and r["issue_per_token"] <= 1.1 * measured, (fmt, axis, r["issue_per_token"])
+
+
+def test_decode_loop_within_its_triton_versions_budget(sm90):
+    """The decode loop's warp instructions per token at head_dim 128, decode rows (the goal-point rows and the
+    methods beyond uniform codes), within GROWTH of what the compiling triton version gave before: a regression
+    guard on a deterministic count, not a timing."""
+    version = _minor(sm90["triton"])
+    if version not in REPORTS:
+        pytest.skip(
+            f"no compile report for triton {sm90['triton']} (measured: {', '.join(REPORTS)}), so no absolute "
+            "budget; test_decode_loop_relative_to_int4 still holds every row to int4. To budget this version, "
+            "add its `bench/compile_sm90.py --quick --json` report to REPORTS"
+        )
+    assert not budget_misses(issue_counts(sm90["rows"]), version)
+
+
+def test_decode_loop_relative_to_int4(sm90):
+    """Each row's count over the int4 row's of the same compile, against the ratios the reports measured: what a
+    method or format costs over uniform int4, on any triton version."""
+    assert not relative_misses(issue_counts(sm90["rows"]), _minor(sm90["triton"]))
+
+
+def test_budgets_catch_a_regression_not_another_version():
+    """The budget checks on the shipped reports' counts (no compile): each version passes its own budgets; 3.6's
+    code fails 3.9's absolute ones (why they are per version) and passes the relative ones; a row 15% over fails
+    both kinds, at a measured version and (relative to int4) at one without a report, where a version slower
+    everywhere alike passes."""
+    c39, c36 = (issue_counts(_report(REPORTS[v])["rows"]) for v in ("3.9", "3.6"))
+    assert len(c39) == 16 and c39.keys() == c36.keys()
+    assert not budget_misses(c39, "3.9") and not budget_misses(c36, "3.6")
+    assert not relative_misses(c39, "3.9") and not relative_misses(c36, "3.6")
+    assert budget_misses(c36, "3.9")  # 3.6's int4 (58.5) is over 3.9's budget (48.1 x 1.1)
+    nuq4 = ("k:nuq4 v:nuq4", "channel")
+    worse = c39 | {nuq4: c39[nuq4] * 1.15}
+    assert budget_misses(worse, "3.9") and relative_misses(worse, "3.9")
+    assert budget_misses(c39 | {YARDSTICK: c39[YARDSTICK] * 1.15}, "3.9")  # int4 itself: the absolute budget
+    slower = {row: n * 1.3 for row, n in c39.items()}  # a new triton, 30% slower everywhere
+    assert not relative_misses(slower, "9.9")
+    assert relative_misses(slower | {nuq4: slower[nuq4] * 1.15}, "9.9")
+    assert budget_misses(c39 | {("k:int9 v:int9", "channel"): 50.0}, "3.9")  # a row the report lacks
 
 
 def test_main_loop_counts_the_steady_path():
@@ -112,12 +190,11 @@ def test_main_loop_counts_the_steady_path():
 def test_compile_check_sees_spills(tmp_path):
     """The spill counter is not blind: a tile far past `supports_attention`'s limit spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + str(ROOT / "bench")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "bench"), env.get("PYTHONPATH")]))
     code = (
         "import compile_sm90 as c\n"
-        "from kvdemo.quant import triton_kernels as tk\n"
         "row = next(r for r in c.decode_variants(True) if r['kernel'] == 'decode' and r['head_dim'] == 128)\n"
-        "print(c.compile_one(tk._decode_split_kernel, row['consts'] | {'BLOCK_M': 256}, 90, 8)['spill_stores'])\n"
+        "print(c.compile_one(c.KERNELS['decode'], row['consts'] | {'BLOCK_M': 256}, 90, 8)['spill_stores'])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

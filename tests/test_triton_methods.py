@@ -15,23 +15,26 @@ import dataclasses
 import pytest
 import torch
 from test_families import _model
-from test_triton import DEVICE, _keys, _to, assert_attention_close
-from test_triton import tk as triton_kernels  # noqa: F401  (test_triton's fixture, registered here by this name)
+from test_triton import (
+    DEVICE,
+    _keys,
+    _to,
+    assert_attention_close,
+    fixture_kernel_modules,  # noqa: F401  (test_triton's fixtures, registered here as kernel_modules, td, tq)
+    fixture_td,  # noqa: F401
+    fixture_tq,  # noqa: F401
+)
 
 from kvdemo import attention
 from kvdemo import quant as kvquant
 from kvdemo.cache import QuantizedKVCache
 from kvdemo.precision import parse_precision
+from kvdemo.quant import backend as quant_backend
+from kvdemo.quant import launch, triton_codes
 from kvdemo.quant import reference as ref
 from kvdemo.quant.rotations import Rope
 
 pytestmark = pytest.mark.triton
-
-
-@pytest.fixture(scope="module")
-def tk(triton_kernels):  # noqa: F811
-    """The kernels module, interpreted or compiled behind test_triton's `OnDevice` (its `tk` fixture)."""
-    return triton_kernels
 
 
 def _rope(head_dim: int, partial: bool = False) -> Rope:
@@ -51,11 +54,11 @@ def _packed(spec: str, hkv: int, head_dim: int, chunks, seed: int, partial_rope:
     return cache.layers[0].packed()
 
 
-def _compare(tk, query, kv, scaling, **settings):
+def _compare(td, query, kv, scaling, **settings):
     """The kernel (which must take the call) against the reference: out and lse within the stated bounds."""
-    assert tk.supports_attention(query, kv), "the kernel must take this call (not hand it to the reference)"
+    assert launch.supports_attention(query, kv), "the kernel must take this call (not hand it to the reference)"
     want_out, want_lse = ref.past_attention(query, kv, scaling)
-    out, lse = tk.past_attention(query, kv, scaling, **settings)
+    out, lse = td.past_attention(query, kv, scaling, **settings)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_attention_close(out, want_out)
     assert_attention_close(lse, want_lse, "lse")
@@ -91,38 +94,38 @@ METHOD_CASES = [
 
 
 @pytest.mark.parametrize("spec,hkv,grp,head_dim,chunks,n_q,splits", METHOD_CASES)
-def test_methods_match_the_reference(tk, spec, hkv, grp, head_dim, chunks, n_q, splits):
+def test_methods_match_the_reference(td, spec, hkv, grp, head_dim, chunks, n_q, splits):
     kv = _packed(spec, hkv, head_dim, chunks, seed=len(spec) + sum(chunks))
     assert kv.regions.has_codes and not (kv.keys.quantized.plain and kv.values.quantized.plain)
     query = torch.randn(1, hkv * grp, n_q, head_dim, generator=torch.Generator().manual_seed(7))
-    _compare(tk, query, kv, head_dim**-0.5, num_splits=splits)
+    _compare(td, query, kv, head_dim**-0.5, num_splits=splits)
 
 
-def test_partial_rotary_prerope_keys(tk):
+def test_partial_rotary_prerope_keys(td):
     """Phi-3 with partial_rotary_factor 0.5: RoPE turns 8 of 16 channels, the rest pass through."""
     kv = _packed("int4:prerope:g16:r16:s1", 1, 16, [50], seed=3, partial_rope=True)
     cos, _ = kv.keys.quantized.rope.tables(0, 4, "cpu")
     assert cos.shape[-1] == 8
-    _compare(tk, torch.randn(1, 3, 1, 16, generator=torch.Generator().manual_seed(4)), kv, 0.25, num_splits=2)
+    _compare(td, torch.randn(1, 3, 1, 16, generator=torch.Generator().manual_seed(4)), kv, 0.25, num_splits=2)
 
 
-def test_fp16_codebooks(tk):
+def test_fp16_codebooks(td):
     """The cache holds fp16 codebooks (NormalFloat rounded too), the quantizer picks codes with those very levels,
     and the kernel reads them as exact fp16 dot operands."""
     kv = _packed("nuq4:g16:r16:s2", 1, 32, [60], seed=5)
     for part in (kv.keys, kv.values):
         assert part.quantized.levels.dtype == torch.float16
     query = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(6))
-    _compare(tk, query, kv, 32**-0.5, num_splits=2)
+    _compare(td, query, kv, 32**-0.5, num_splits=2)
 
 
 @pytest.mark.parametrize("block_n", [16, 32])
-def test_methods_with_other_tiles(tk, block_n):
+def test_methods_with_other_tiles(td, block_n):
     """Tiles of 16 and 32 tokens (per-token keys: more than one tile per nvfp4 block, or a block per tile)."""
     for i, spec in enumerate(("nvfp4:g32:r32:s2", "nuq3:o1:prerope:g32:r32", "int3:hadamard:g32:r32")):
         kv = _packed(spec, 1, 32, [90], seed=20 + i)
         query = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(21 + i))
-        _compare(tk, query, kv, 32**-0.5, num_splits=2, block_n=block_n)
+        _compare(td, query, kv, 32**-0.5, num_splits=2, block_n=block_n)
 
 
 def _without(kv, part: str, **fields):
@@ -143,7 +146,7 @@ def _without(kv, part: str, **fields):
         ("int4:prerope:g16:r16", "keys", dict(start=1)),  # RoPE one position off
     ],
 )
-def test_each_method_is_seen_by_the_comparison(tk, spec, part, fields):
+def test_each_method_is_seen_by_the_comparison(td, spec, part, fields):
     """The bounds catch a kernel that leaves a method out: the kernel over the past without it (or with it
     one position off) misses the reference over the real past."""
     kv = _packed(spec, 1, 32, [60], seed=9)
@@ -152,42 +155,42 @@ def test_each_method_is_seen_by_the_comparison(tk, spec, part, fields):
     broken = _without(kv, part, **fields)
     if part == "keys" and "start" in fields:
         broken = _without(broken, "values", start=1)  # keys and values share their start
-    assert tk.supports_attention(query, broken)
-    out, lse = tk.past_attention(query, broken, 32**-0.5)
+    assert launch.supports_attention(query, broken)
+    out, lse = td.past_attention(query, broken, 32**-0.5)
     got, want, what = (lse, want_lse, "lse") if part == "keys" else (out, want_out, "out")
     with pytest.raises(AssertionError):
         assert_attention_close(got, want, what)
 
 
-def test_supports_attention_takes_the_methods_and_refuses_the_rest(tk):
+def test_supports_attention_takes_the_methods_and_refuses_the_rest(td):
     query = torch.randn(1, 2, 1, 32)
     for spec in ("nuq4", "nuq3:o1", "nuq2:o1:prerope", "int3", "nvfp4", "int4:hadamard", "k8v4:hadamard:o1"):
         kv = _packed(spec + ":g16:r16", 1, 32, [40], seed=1)
-        assert tk.supports_attention(query, kv), spec
+        assert launch.supports_attention(query, kv), spec
     too_many = _packed("int4:o20:g16:r16", 1, 32, [40], seed=1)  # ceil(6.4) = 7 outliers per row
-    assert too_many.keys.quantized.outlier_index.shape[-1] > tk.MAX_OUTLIERS
-    assert not tk.supports_attention(query, too_many)
-    _compare_fallback(tk, query, too_many)
+    assert too_many.keys.quantized.outlier_index.shape[-1] > triton_codes.MAX_OUTLIERS
+    assert not launch.supports_attention(query, too_many)
+    _compare_fallback(td, query, too_many)
     kv = _packed("int4:prerope:g16:r16", 1, 32, [40], seed=1)
     rope = kv.keys.quantized.rope
-    assert not tk.supports_attention(query, _without(kv, "values", rope=rope))  # values are never pre-RoPE
-    assert not tk.supports_attention(query, _without(kv, "keys", rotation=torch.eye(32)))  # RoPE after R: no
-    assert not tk.supports_attention(query, _without(kv, "keys", start=16))  # keys and values start apart
+    assert not launch.supports_attention(query, _without(kv, "values", rope=rope))  # values are never pre-RoPE
+    assert not launch.supports_attention(query, _without(kv, "keys", rotation=torch.eye(32)))  # RoPE after R: no
+    assert not launch.supports_attention(query, _without(kv, "keys", start=16))  # keys and values start apart
     odd = _packed("nvfp4:g16:r16", 1, 16, [40], seed=1)  # per-token keys at head_dim 16: not compiled for
-    assert not tk.supports_attention(torch.randn(1, 2, 1, 16), odd)
+    assert not launch.supports_attention(torch.randn(1, 2, 1, 16), odd)
 
 
-def _compare_fallback(tk, query, kv):
+def _compare_fallback(td, query, kv):
     """A call the kernel refuses is the reference's, exactly."""
-    got = tk.past_attention(query, kv, 0.2)
+    got = td.past_attention(query, kv, 0.2)
     want = ref.past_attention(query.to(DEVICE), _to(kv, DEVICE), 0.2)
     torch.testing.assert_close(got, tuple(t.cpu() for t in want), rtol=0, atol=0)
 
 
-def test_nuq3_outliers_through_the_triton_backend(tk, monkeypatch):
+def test_nuq3_outliers_through_the_triton_backend(td, monkeypatch):
     """kvdemo attention's decode path with KVDEMO_BACKEND=triton reaches the kernel for nuq3:o1 (a spy counts
     its launches) and gives the torch backend's attention within the bounds."""
-    module = getattr(tk, "_module", tk)
+    module = getattr(td, "_module", td)
     launches = []
     real = module._launch_decode
 
@@ -200,7 +203,7 @@ def test_nuq3_outliers_through_the_triton_backend(tk, monkeypatch):
     states = [_keys((1, 2, n, 32), seed=60 + n).to(DEVICE) for n in (37, 1, 1)]
     runs = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        monkeypatch.setenv(quant_backend.BACKEND_ENV, backend)
         cache = QuantizedKVCache(spec, num_layers=1)
         outs = []
         for i, k in enumerate(states):
@@ -290,17 +293,17 @@ def _methods(spec: dict, head_dim: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("fmt,axis,group,head_dim,tokens,spec", QUANT_CASES)
-def test_quantize_methods_match_the_reference(tk, fmt, axis, group, head_dim, tokens, spec):
+def test_quantize_methods_match_the_reference(tq, fmt, axis, group, head_dim, tokens, spec):
     methods = _methods(spec, head_dim, seed=head_dim + tokens)
-    assert tk.supports_quantize_methods(fmt, axis, group, head_dim, **methods)
+    assert tq.supports_quantize_methods(fmt, axis, group, head_dim, **methods)
     x = _method_input((1, 2, tokens, head_dim), seed=tokens + group, huge=300.0 if spec.get("rope") else 3e4)
     want = ref.quantize(x, fmt, axis, group, **methods)
-    _assert_same_bytes(want, tk.quantize(x, fmt, axis, group, **methods))
+    _assert_same_bytes(want, tq.quantize(x, fmt, axis, group, **methods))
     if spec.get("outliers") and not spec.get("rope") and axis == "channel" and group == 16 and head_dim == 32:
         assert bool((want.outlier_index[0, 0, :16] == 3).any(dim=-1).all()), "the constant channel is picked"
 
 
-def test_quantize_methods_fp16_input_and_strides(tk):
+def test_quantize_methods_fp16_input_and_strides(tq):
     """fp16 / bf16 inputs with inf and nan, and a [B, T, H, D] projection seen as [B, H, T, D]."""
     levels = _levels(3, 1)
     x = _method_input((1, 2, 32, 32), seed=2)
@@ -310,33 +313,33 @@ def test_quantize_methods_fp16_input_and_strides(tk):
             xd = x.to(dtype)
             _assert_same_bytes(
                 ref.quantize(xd, "nuq3", axis, group, levels=levels, outliers=1),
-                tk.quantize(xd, "nuq3", axis, group, levels=levels, outliers=1),
+                tq.quantize(xd, "nuq3", axis, group, levels=levels, outliers=1),
             )
-        _assert_same_bytes(ref.quantize(xd, "nvfp4", "token", 16), tk.quantize(xd, "nvfp4", "token", 16))
+        _assert_same_bytes(ref.quantize(xd, "nvfp4", "token", 16), tq.quantize(xd, "nvfp4", "token", 16))
     strided = _keys((1, 32, 2, 32), seed=3).transpose(1, 2)
     _assert_same_bytes(
-        ref.quantize(strided, "int3", "token", 16, outliers=5), tk.quantize(strided, "int3", "token", 16, outliers=5)
+        ref.quantize(strided, "int3", "token", 16, outliers=5), tq.quantize(strided, "int3", "token", 16, outliers=5)
     )
 
 
-def test_quantize_methods_comparison_sees_a_wrong_choice(tk):
+def test_quantize_methods_comparison_sees_a_wrong_choice(tq):
     """The byte comparison fails for a neighbouring choice (another codebook, one outlier fewer, another start)."""
     x = _method_input((1, 2, 32, 32), seed=4)
-    got = tk.quantize(x, "nuq3", "channel", 16, levels=_levels(3, 5), outliers=1)
+    got = tq.quantize(x, "nuq3", "channel", 16, levels=_levels(3, 5), outliers=1)
     for other in (dict(levels=_levels(3, 6), outliers=1), dict(levels=_levels(3, 5))):
         with pytest.raises(AssertionError):
             _assert_same_bytes(ref.quantize(x, "nuq3", "channel", 16, **other), got)
-    got = tk.quantize(x, "nvfp4", "token", 16, start=5, block=16)
+    got = tq.quantize(x, "nvfp4", "token", 16, start=5, block=16)
     with pytest.raises(AssertionError):
         _assert_same_bytes(ref.quantize(x, "nvfp4", "token", 16, start=6, block=16), got)
 
 
-def test_outlier_ties_go_to_the_lowest_channel(tk):
+def test_outlier_ties_go_to_the_lowest_channel(tq):
     """The documented exception: a constant token ties every |x|; the kernel picks the lowest channels (torch's
     CPU topk another order), and both store the token exactly."""
     x = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(8))
     x[0, 0, 2] = 0.75
-    got = tk.quantize(x, "int4", "token", 32, outliers=10)
+    got = tq.quantize(x, "int4", "token", 32, outliers=10)
     assert got.outlier_index[0, 0, 2].tolist() == [0, 1, 2, 3]
     want = ref.quantize(x, "int4", "token", 32, outliers=10)
     torch.testing.assert_close(ref.dequantize(got), ref.dequantize(want), rtol=0, atol=0)
@@ -344,28 +347,28 @@ def test_outlier_ties_go_to_the_lowest_channel(tk):
     # channels in one token tie, and the kernel keeps the lower one
     keys = torch.randn(1, 1, 16, 32, generator=torch.Generator().manual_seed(9))
     keys[0, 0, 4, 9] = keys[0, 0, 4, 20] = 3e4
-    got = tk.quantize(keys, "int4", "channel", 16, outliers=1)
+    got = tq.quantize(keys, "int4", "channel", 16, outliers=1)
     assert got.outlier_index[0, 0, 4].tolist() == [9]
     score = ref.outlier_picks(keys, "channel", 16, 32)  # every channel, highest score first
     picked = ref.quantize(keys, "int4", "channel", 16, outliers=1).outlier_index[0, 0, 4, 0]
     assert int(picked) in (9, 20) and set(score[0, 0, 4, :2].tolist()) == {9, 20}
 
 
-def test_supports_quantize_methods_refuses_the_rest(tk):
+def test_supports_quantize_methods_refuses_the_rest(tq):
     lv = _levels(3, 1)
-    assert not tk.supports_quantize_methods("fp8_e4m3", "token", 32, 32, outliers=1)  # fp8 with methods
-    assert not tk.supports_quantize_methods("nuq3", "token", 32, 32)  # no codebook
-    assert not tk.supports_quantize_methods("nuq3", "token", 32, 32, levels=lv, outliers=20)  # 7 > MAX_OUTLIERS
-    assert not tk.supports_quantize_methods("nuq3", "channel", 8, 32, levels=lv, outliers=1)  # unreplicated sum
-    assert not tk.supports_quantize_methods("int3", "token", 16, 80)
+    assert not tq.supports_quantize_methods("fp8_e4m3", "token", 32, 32, outliers=1)  # fp8 with methods
+    assert not tq.supports_quantize_methods("nuq3", "token", 32, 32)  # no codebook
+    assert not tq.supports_quantize_methods("nuq3", "token", 32, 32, levels=lv, outliers=20)  # 7 > MAX_OUTLIERS
+    assert not tq.supports_quantize_methods("nuq3", "channel", 8, 32, levels=lv, outliers=1)  # unreplicated sum
+    assert not tq.supports_quantize_methods("int3", "token", 16, 80)
     assert kvquant.quantize(torch.randn(1, 1, 16, 32), "fp8_e4m3", "token", 32, outliers=3.0).outlier_delta is not None
 
 
 @pytest.mark.parametrize("spec", ["nuq3:o1:g16:r16:s2", "nvfp4:g16:r16:s1", "nuq4:o1:prerope:g16:r16"])
-def test_cache_append_on_the_triton_backend_stores_the_torch_bytes(tk, monkeypatch, spec):
+def test_cache_append_on_the_triton_backend_stores_the_torch_bytes(tq, monkeypatch, spec):
     """QuantizedKVCache appends (prefill, then tokens one at a time) on KVDEMO_BACKEND=triton reach the method
     kernels (a spy counts them) and store byte-identical tensors to the torch backend's."""
-    module = getattr(tk, "_module", tk)
+    module = getattr(tq, "_module", tq)
     calls = []
     real = module._quantize_methods
 
@@ -381,7 +384,7 @@ def test_cache_append_on_the_triton_backend_stores_the_torch_bytes(tk, monkeypat
     rope = _rope(32) if "prerope" in spec else None
     stored = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv(kvquant.BACKEND_ENV, backend)
+        monkeypatch.setenv(quant_backend.BACKEND_ENV, backend)
         cache = QuantizedKVCache(spec, num_layers=1, rope=rope)
         for k in chunks:
             cache.update(k.to(DEVICE), (k.flip(-1) * 0.5).to(DEVICE), 0)
@@ -393,7 +396,7 @@ def test_cache_append_on_the_triton_backend_stores_the_torch_bytes(tk, monkeypat
         assert torch.equal(want.sinks, got.sinks) and torch.equal(want.residual, got.residual)
 
 
-def test_codebook_words_hold_the_levels_bytes_for_the_compiled_lookup(tk):
+def test_codebook_words_hold_the_levels_bytes_for_the_compiled_lookup(kernel_modules):
     """On NVIDIA the decode kernel looks nuq4 codes up with byte permutes (`_PTX_NUQ4`, run on every byte by
     tests/test_triton_ptx.py) in 8 words built from the codebook by `_codebook_word`: word w < 4 holds the low
     bytes of levels 4w..4w+3, word w >= 4 their high bytes. This runs that builder and checks its bytes."""
@@ -401,7 +404,7 @@ def test_codebook_words_hold_the_levels_bytes_for_the_compiled_lookup(tk):
     import triton.language as tl
 
     global _codebook_word  # a jit function reaches others through its module's globals
-    _codebook_word = getattr(tk, "_module", tk)._codebook_word
+    _codebook_word = kernel_modules.ptx._codebook_word
 
     @triton.jit
     def words(levels_ptr, out_ptr):

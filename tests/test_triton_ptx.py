@@ -1,6 +1,6 @@
 """The decode kernel's PTX unpacking blocks, run on every byte value by a small PTX evaluator.
 
-Compiled on NVIDIA GPUs the decode kernel unpacks codes with inline PTX (`triton_kernels._PTX_*`),
+Compiled on NVIDIA GPUs the decode kernel unpacks codes with inline PTX (`kvdemo.quant.ptx`: `_PTX_*`),
 which neither Triton's interpreter nor this CPU machine can execute. Each block is a few integer and
 fp16x2 instructions, so this file evaluates them from their text, with the PTX ISA's semantics for
 those instructions, and compares every output with an independent decoding of the byte (integer bit
@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvdemo.quant import triton_kernels as tk  # noqa: E402
+from kvdemo.quant import ptx  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -107,7 +107,7 @@ def unpack_bytes(asm: str, n_outputs: int) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_integer_blocks_give_each_bit_field(bits):
-    asm = {8: tk._PTX_INT8, 4: tk._PTX_INT4, 2: tk._PTX_INT2}[bits].value
+    asm = {8: ptx._PTX_INT8, 4: ptx._PTX_INT4, 2: ptx._PTX_INT2}[bits].value
     per_byte = 8 // bits
     elems, got = unpack_bytes(asm, 2 * per_byte)
     want = np.stack([(elems >> (bits * p)) & ((1 << bits) - 1) for p in range(per_byte)], axis=-1)
@@ -116,7 +116,7 @@ def test_integer_blocks_give_each_bit_field(bits):
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_blocks_give_the_value_over_256(fmt):
-    asm = {"fp8_e4m3": tk._PTX_E4M3, "fp8_e5m2": tk._PTX_E5M2}[fmt].value
+    asm = {"fp8_e4m3": ptx._PTX_E4M3, "fp8_e5m2": ptx._PTX_E5M2}[fmt].value
     dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
     elems, got = unpack_bytes(asm, 2)
     got = got[..., 0]
@@ -141,7 +141,7 @@ def test_nuq4_block_looks_up_every_code_in_the_codebook(seed):
     ]
     elems = (BYTES[:, None] + np.arange(4, dtype=np.uint32)[None, :]) % 256  # [256 words, 4 positions]
     packed = elems[:, 0] | (elems[:, 1] << 8) | (elems[:, 2] << 16) | (elems[:, 3] << 24)
-    regs = run_ptx(tk._PTX_NUQ4.value, [packed] + [np.full_like(packed, w) for w in words for _ in range(4)], 4)
+    regs = run_ptx(ptx._PTX_NUQ4.value, [packed] + [np.full_like(packed, w) for w in words for _ in range(4)], 4)
     for plane, (first, second) in enumerate(((0, 1), (2, 3))):
         got = np.concatenate([_halves(regs[first]), _halves(regs[second])], axis=-1)  # [256, 4]
         want = levels[(elems >> (4 * plane)) & 15].astype(np.float64)
@@ -157,7 +157,7 @@ def test_nuq2_block_looks_up_every_code_in_the_codebook(seed):
     words = [sum(((bits[k] >> (8 * high)) & 0xFF) << (8 * k) for k in range(4)) for high in (0, 1)]
     elems = (BYTES[:, None] + np.arange(4, dtype=np.uint32)[None, :]) % 256  # [256 words, 4 positions]
     packed = elems[:, 0] | (elems[:, 1] << 8) | (elems[:, 2] << 16) | (elems[:, 3] << 24)
-    regs = run_ptx(tk._PTX_NUQ2.value, [packed] + [np.full_like(packed, w) for w in words for _ in range(4)], 8)
+    regs = run_ptx(ptx._PTX_NUQ2.value, [packed] + [np.full_like(packed, w) for w in words for _ in range(4)], 8)
     for plane in range(4):
         got = np.concatenate([_halves(regs[2 * plane]), _halves(regs[2 * plane + 1])], axis=-1)  # [256, 4]
         want = levels[(elems >> (2 * plane)) & 3].astype(np.float64)
@@ -179,7 +179,7 @@ def test_nuq3_block_looks_up_every_code_of_bit_sliced_rows(seed):
     planes = rng.integers(0, 256, size=(3, 4096, 4), dtype=np.uint32)  # [plane, word, column]
     planes[:, :256, 0] = np.arange(256)[None, :] * np.array([1, 7, 13])[:, None] % 256  # every byte at column 0
     packed = [p[:, 0] | (p[:, 1] << 8) | (p[:, 2] << 16) | (p[:, 3] << 24) for p in planes]
-    regs = run_ptx(tk._PTX_NUQ3.value, packed + [np.full_like(packed[0], w) for w in words for _ in range(4)], 16)
+    regs = run_ptx(ptx._PTX_NUQ3.value, packed + [np.full_like(packed[0], w) for w in words for _ in range(4)], 16)
     for group in range(8):
         got = np.concatenate([_halves(regs[2 * group]), _halves(regs[2 * group + 1])], axis=-1)  # [words, 4 columns]
         codes = sum(((planes[j] >> group) & 1) << j for j in range(3))
@@ -193,8 +193,8 @@ def test_int3_words_make_the_nuq3_block_give_the_codes_themselves():
     """int3 compiled for NVIDIA runs _PTX_NUQ3 with the codebook 0..7 (low bytes 0, high bytes _INT3_HI0/1)."""
     planes = np.stack([np.arange(256, dtype=np.uint32) * m % 256 for m in (1, 7, 13)])[:, :, None].repeat(4, 2)
     packed = [p[:, 0] | (p[:, 1] << 8) | (p[:, 2] << 16) | (p[:, 3] << 24) for p in planes]
-    words = [0, 0, tk._INT3_HI0.value, tk._INT3_HI1.value]
-    regs = run_ptx(tk._PTX_NUQ3.value, packed + [np.full_like(packed[0], w) for w in words for _ in range(4)], 16)
+    words = [0, 0, ptx._INT3_HI0.value, ptx._INT3_HI1.value]
+    regs = run_ptx(ptx._PTX_NUQ3.value, packed + [np.full_like(packed[0], w) for w in words for _ in range(4)], 16)
     for group in range(8):
         got = np.concatenate([_halves(regs[2 * group]), _halves(regs[2 * group + 1])], axis=-1)
         np.testing.assert_array_equal(got, sum(((planes[j] >> group) & 1) << j for j in range(3)).astype(np.float64))

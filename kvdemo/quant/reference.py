@@ -488,7 +488,7 @@ def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> tor
     return (g.abs() * rel * (1 + 2e-3) + floor + scale * 1e-3).reshape(x.shape)
 
 
-# --- attention over the packed cache: the PyTorch twin of triton_kernels.past_attention ---------
+# --- attention over the packed cache: the PyTorch twin of triton_decode.past_attention ----------
 
 
 def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""Which calls the fused decode kernel (`kvdemo.quant.triton_decode`) takes, and its launch settings.
+
+- `supports_attention(query, kv)`: shapes and stored formats the kernel reads: head_dim a power of two in
+  [16, 256], query rows per kv head (GQA group x queries, padded) up to `max_block_m` (MAX_BLOCK_M by
+  head_dim), per-token keys at TOKEN_KEY_HEAD_DIMS, codes of DECODE_FORMATS with the methods beyond
+  uniform codes (`_decodes`). The rest (more than MAX_OUTLIERS corrections per row, a rotary dim that is
+  not a power of two dividing head_dim, the methods at head_dim 256 or beyond 16 query rows at head_dim
+  128) goes to the reference.
+- launch settings, which change only speed: `launch_config` (tokens per tile and warps by head_dim, query
+  rows, compute capability and `method_kind`), `fold_once`, the splits of the sequence (`splits_for`,
+  PROGRAMS_PER_SM), NUM_STAGES; `ptx_unpacking` says whether the kernel unpacks codes with its PTX blocks.
+The limits sit where sm_90 code would spill registers: `bench/compile_sm90.py` compiles every variant on
+a CPU and shows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+
+from .backend import interpreting
+from .reference import INT_BITS, QuantizedTensor
+from .triton_codes import FP8_CODE, MAX_OUTLIERS, _pow2
+
+DECODE_FORMATS = (*INT_BITS, *FP8_CODE, "int3", "nuq4", "nuq3", "nuq2", "nvfp4")  # what the decode kernel reads
+PROGRAMS_PER_SM = 4  # decode programs per SM in all (the GPU benchmark sweeps 2-16)
+NUM_STAGES = 3  # software-pipeline depth of the decode loop (the GPU benchmark sweeps 2-3)
+
+
+# Most query rows (GQA group x queries, padded) of one attention program by head_dim, and the head dims
+# that take per-token keys: past these, sm_90 code spills registers (bench/compile_sm90.py), and
+# `past_attention` hands the call to the reference.
+MAX_BLOCK_M = {16: 128, 32: 128, 64: 128, 128: 64, 256: 16}
+TOKEN_KEY_HEAD_DIMS = (32, 64, 128)
+
+
+def supports_attention(query: torch.Tensor, kv) -> bool:
+    """Shapes and stored formats the decode kernel handles: head_dim a power of two in [16, 256], query rows
+    per kv head (GQA group x queries) up to MAX_BLOCK_M, per-token keys at TOKEN_KEY_HEAD_DIMS, codes of
+    DECODE_FORMATS with the methods `_decodes` accepts."""
+    b, hq, n, d = query.shape
+    hkv, spec = kv.kv_heads, kv.spec
+    fmts_ok = True
+    if kv.regions.has_codes:
+        keys, values = kv.keys.quantized, kv.values.quantized
+        fmts_ok = _decodes(keys, d, True) and _decodes(values, d, False) and keys.start == values.start
+    if not (fmts_ok and _pow2(d) and 16 <= d <= 256 and hq % hkv == 0):
+        return False
+    if kv.regions.has_codes and spec.key_axis == "token" and d not in TOKEN_KEY_HEAD_DIMS:
+        return False
+    if d > 128 and method_kind(kv):  # the methods' tiles spill registers at head_dim 256
+        return False
+    return _block_m((hq // hkv) * n) <= max_block_m(d, kv)
+
+
+def _decodes(q: QuantizedTensor, d: int, keys: bool) -> bool:
+    """Whether the decode kernel reads this stored part: its format, its methods (outliers up to
+    MAX_OUTLIERS per row, a rotation, pre-RoPE keys with a rotary dim that is a power of two dividing d)."""
+    if q.fmt not in DECODE_FORMATS or (q.levels is not None) != q.fmt.startswith("nuq"):
+        return False
+    if q.outlier_index is not None and q.outlier_index.shape[-1] > MAX_OUTLIERS:
+        return False
+    if q.rope is not None:
+        if not keys or q.rotation is not None:  # values are never pre-RoPE; RoPE would need the unrotated keys
+            return False
+        rotary = q.rope.tables(q.start, q.start + 1, q.codes.device)[0].shape[-1]
+        return rotary >= 2 and _pow2(rotary) and d % rotary == 0
+    return True
+
+
+def _block_m(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
+
+
+def max_block_m(head_dim: int, kv) -> int:
+    """Most query rows (GQA group x queries, padded) of one program over `kv`: MAX_BLOCK_M, but 16 for the
+    methods beyond uniform codes at head_dim 128 (more rows spill registers there; bench/compile_sm90.py)."""
+    return 16 if head_dim > 64 and method_kind(kv) else MAX_BLOCK_M.get(head_dim, 16)
+
+
+def method_kind(kv) -> str:
+    """What the stored codes ask of the decode loop beyond uniform codes: "" (none; a Hadamard rotation turns
+    only the query and the partial outputs), "codes" (looked-up, bit-sliced or nvfp4 codes, pre-RoPE keys),
+    "outliers" (sparse corrections), "outliers+rope" (both with pre-RoPE keys)."""
+    if not kv.regions.has_codes:
+        return ""
+    keys, values = kv.keys.quantized, kv.values.quantized
+    if keys.outlier_index is not None or values.outlier_index is not None:
+        return "outliers+rope" if keys.rope is not None else "outliers"
+    plain = all(replace(q, rotation=None).plain for q in (keys, values))
+    return "" if plain else "codes"
+
+
+def launch_config(head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0), method: str = "") -> tuple[int, int]:
+    """(tokens per attention tile, warps) for a program of block_m query rows on compute capability cc: the
+    largest settings that compile without register spills (`python bench/compile_sm90.py [--arch 75]`
+    shows each variant). Decode rows (block_m 16) get tiles of 64 tokens: the fewest instructions per
+    token that do not spill. Before sm_80 Triton's dots run on FMAs: 16 tokens, 8 warps.
+    method (`method_kind`): the methods beyond uniform codes hold more per tile (looked-up or turned
+    keys, sparse corrections), so at head_dim 128 their decode rows take 32-token tiles (with outliers on
+    8 warps), and outliers with pre-RoPE keys at head_dim 64 too."""
+    if cc < (8, 0):
+        return 16, 8
+    if head_dim > 128:
+        return 16, 4
+    if block_m > 16:
+        return 32, 8
+    if head_dim > 64 and method:
+        return (32, 8) if method.startswith("outliers") else (32, 4)
+    return (32, 4) if method == "outliers+rope" else (64, 4)
+
+
+def fold_once(head_dim: int, cc: tuple[int, int] = (9, 0)) -> bool:
+    """Whether the decode loop keeps the query folded with a key block's scales across the block's tiles:
+    yes where Triton's dots run on tensor cores (sm_80 and later) up to head_dim 128; at head_dim 256,
+    or with plain FMA dots (sm_75 and earlier), keeping it spills registers."""
+    return head_dim <= 128 and cc >= (8, 0)
+
+
+def splits_for(heads: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits of the sequence per (batch, kv head) for about `programs_per_sm` programs per SM in all."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, -(-programs_per_sm * sms // heads))
+
+
+def _default_splits(n_tiles: int, heads: int, device: torch.device) -> int:
+    """`splits_for` the default programs per SM, with >= 4 tiles per split."""
+    return max(1, min(splits_for(heads, device), n_tiles // 4))
+
+
+def ptx_unpacking() -> bool:
+    """True where the decode kernel unpacks codes with its PTX blocks: compiled for NVIDIA (not the
+    interpreter, not ROCm); elsewhere the same arithmetic runs as Triton ops."""
+    return not interpreting() and torch.version.hip is None
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability the kernels are tuned for on `device`; the interpreter runs sm_90's."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)

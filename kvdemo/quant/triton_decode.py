@@ -1,0 +1,699 @@
+"""Fused decode attention over the packed KV cache in Triton: twin of `reference.past_attention` (same signature,
+same storage layout; see the reference's docstring).
+
+`past_attention(query, kv, scaling) -> (out, lse)`: every query over one layer's stored past (sinks + quantized
+region + full-precision residual), flash-decoding style: the sequence is split into programs of equal tile
+counts per (batch, kv head), quantized region and residual alike (the first residual program also takes the
+sinks), and a second kernel merges the partial results by log-sum-exp (`_decode_split_kernel`, `_merge_kernel`).
+One program serves every query head of its kv-head group (GQA: each K/V tile is read once).
+
+K/V stay packed in memory: a tile of packed bytes is loaded as stored and unpacked in registers to fp16 codes
+(exact: the fp16 with bits 0x6400 | c is 1024 + c), by inline PTX when compiled for NVIDIA (`kvdemo.quant.ptx`),
+by the same arithmetic in Triton ops in the interpreter (`kvdemo.quant.triton_codes`). Per-channel keys are never
+dequantized: ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block, with ``q_c s_c`` and
+``q . z`` computed once per block. Both dots run on fp16 tensor cores with fp32 accumulation. Scores are about
+fp32-accurate: fp32 operands are split into fp16 hi + lo halves (queries always; keys stored in fp32 or
+dequantized per token too); the weights and the dequantized values of the second dot are fp16, as in
+FlashAttention (2^-11 relative each).
+
+The methods beyond uniform codes (reference docstring) are read from their packed storage too, each behind a
+constexpr flag of the kernel (off: the plain variants compile to the code they had before): nuq codebooks (fp16
+levels picked in registers: compiled for NVIDIA by byte permutes, in the interpreter by a select tree over the
+code's bits; the key fold above holds), bit-sliced int3 / nuq3 rows (three 1-bit planes), nvfp4 (E2M1 codes,
+E4M3 scales times the block's fp32 tensor scale, keys per token), sparse outliers (a row's corrections expanded
+into a dense fp16 tile: one more dot for keys, added to the values), a Hadamard rotation (on the query side: the
+codes see q @ R, the quantized splits' partial outputs are turned back by R.T before the merge; the lse is
+unchanged) and pre-RoPE keys (the tile is dequantized in fp32 and turned by RoPE from the fp32 cos/sin rows of
+its positions, then dotted as per-token keys are). `supports_attention` (`kvdemo.quant.launch`) says what the
+kernel reads; the rest goes to the reference, as does a call with a mask.
+
+Tensors are CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1`` (the tests). Launch settings (tile, warps,
+splits; `kvdemo.quant.launch`) change only speed. The interpreter misses what only the GPU compiler sees
+(register spills, shared memory, unsupported ops): `bench/compile_sm90.py` compiles every variant for sm_90 on a
+CPU and reports them, with the decode loop's instructions per token; tests keep them compiling without spills
+and within an instruction budget.
+References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), FlashAttention-2 (arXiv 2307.08691) and
+flash-decoding (split-K over the sequence with a log-sum-exp merge).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from .launch import (
+    NUM_STAGES,
+    _block_m,
+    _default_splits,
+    capability,
+    fold_once,
+    launch_config,
+    method_kind,
+    ptx_unpacking,
+    supports_attention,
+)
+from .reference import QuantizedTensor
+from .triton_codes import (
+    _FP8_UNIT,
+    _FP16_MAX,
+    FP8_CODE,
+    _dequantize_rows,
+    _nvfp4_scales,
+    _outlier_tile,
+    _pow2,
+    _unpack,
+    _unpack_values,
+)
+
+MAX_BLOCK_N = 128  # most tokens per attention tile (tiles of per-channel keys stay inside one key group)
+LOG2E = 1.4426950408889634
+
+
+# --- fused decode attention -------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_rows(k, cos, sin, BLOCK_N: tl.constexpr, D: tl.constexpr, ROPE_DIM: tl.constexpr):
+    """RoPE (rotate-half layout) on key rows k [BN, D] fp32 with their cos/sin [BN, D] fp32: k * cos +
+    rotate_half(k) * sin, rotate_half within each run of ROPE_DIM channels (partial rotary: channels past
+    ROPE_DIM come with cos 1, sin 0, so they pass through)."""
+    HALF: tl.constexpr = ROPE_DIM // 2
+    x = tl.permute(tl.reshape(k, (BLOCK_N, D // ROPE_DIM, 2, HALF)), (0, 1, 3, 2))  # [BN, D/RD, HALF, 2]
+    first, second = tl.split(x)
+    turned = tl.permute(tl.join(-second, first), (0, 1, 3, 2))  # [BN, D/RD, 2, HALF]: (-x2, x1)
+    return k * cos + tl.reshape(turned, (BLOCK_N, D)) * sin
+
+
+@triton.jit
+def _hi_lo(a):
+    """fp32 a -> (hi, lo) fp16 with hi + lo = a to about fp32 accuracy (within fp16's range)."""
+    hi = a.to(tl.float16)
+    return hi, (a - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dot_hi_lo(a_hi, a_lo, b):
+    """a [BM, K] fp32, given as its fp16 halves (`_hi_lo`), @ b [K, BN] fp16 on fp16 tensor cores, to about
+    fp32 accuracy."""
+    return tl.dot(a_hi, b) + tl.dot(a_lo, b)
+
+
+@triton.jit
+def _dot_f32(a_hi, a_lo, b):
+    """a [BM, K] fp32 (its fp16 halves) @ b [K, BN] fp32 on fp16 tensor cores, to about fp32 accuracy: hi/lo
+    halves of both, three dots (the lo x lo term is below fp32 rounding)."""
+    b_hi, b_lo = _hi_lo(b)
+    return _dot_hi_lo(a_hi, a_lo, b_hi) + tl.dot(a_hi, b_lo)
+
+
+@triton.jit
+def _online_update(acc, m_i, l_i, s, v):
+    """One flash-attention step: s [BM, BN] fp32 log2-domain scores (-inf = masked), v [BN, D] fp16."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)  # [BM, D], fp32 accumulation
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _full_segment(
+    acc, m_i, l_i, q_hi, q_lo, k_base, v_base, sk_t, sv_t, row_begin, row_end, BLOCK_N: tl.constexpr, D: tl.constexpr
+):
+    """Full-precision keys/values rows [row_begin, row_end) of one (batch, kv head): sinks or residual.
+
+    Keys go to the tensor cores as fp16: 16-bit keys as they are (bf16 is exact in fp16 from 2^-14 to
+    65504), fp32 keys as hi + lo halves; values as fp16.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    for start in range(row_begin, row_end, BLOCK_N):
+        pos = start + offs_n  # [BN] int32: offsets within one head stay below 2^31 (checked by the caller)
+        valid = pos < row_end
+        k = tl.load(k_base + pos[:, None] * sk_t + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if k.dtype == tl.float32:
+            s = _dot_f32(q_hi, q_lo, tl.trans(k))  # [BM, BN]
+        else:
+            s = _dot_hi_lo(q_hi, q_lo, tl.trans(k.to(tl.float16)))  # fp16 and bf16 values are exact in fp16
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v.to(tl.float16))
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    sq_b,
+    sq_h,
+    sq_t,
+    sk_ptr,
+    ssk_b,
+    ssk_h,
+    ssk_t,
+    sv_ptr,
+    ssv_b,
+    ssv_h,
+    ssv_t,
+    rk_ptr,
+    srk_b,
+    srk_h,
+    srk_t,
+    rv_ptr,
+    srv_b,
+    srv_h,
+    srv_t,
+    kc_ptr,
+    skc_b,
+    skc_h,
+    skc_t,
+    ks_ptr,
+    sks_b,
+    sks_h,
+    sks_t,
+    kz_ptr,
+    skz_b,
+    skz_h,
+    skz_t,
+    vc_ptr,
+    svc_b,
+    svc_h,
+    svc_t,
+    vs_ptr,
+    svs_b,
+    svs_h,
+    svs_t,
+    vz_ptr,
+    svz_b,
+    svz_h,
+    svz_t,
+    qr_ptr,
+    klv_ptr,
+    vlv_ptr,
+    kts_ptr,
+    skts_b,
+    skts_h,
+    vts_ptr,
+    svts_b,
+    svts_h,
+    row0,
+    kts_block,
+    vts_block,
+    kod_ptr,
+    skod_b,
+    skod_h,
+    skod_t,
+    koi_ptr,
+    skoi_b,
+    skoi_h,
+    skoi_t,
+    vod_ptr,
+    svod_b,
+    svod_h,
+    svod_t,
+    voi_ptr,
+    svoi_b,
+    svoi_h,
+    svoi_t,
+    cos_ptr,
+    sin_ptr,
+    scs_t,
+    o_part_ptr,
+    lse_part_ptr,
+    HKV,
+    N_Q,
+    M,
+    S,
+    Q,
+    R,
+    tiles_per_split,
+    num_splits,
+    qk_scale,
+    parts,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_FP8: tl.constexpr,
+    K_CHANNEL: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_FP8: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    PTX: tl.constexpr,
+    FOLD_ONCE: tl.constexpr,
+    K_CODE: tl.constexpr = 0,
+    V_CODE: tl.constexpr = 0,
+    K_OUTLIERS: tl.constexpr = 0,
+    V_OUTLIERS: tl.constexpr = 0,
+    K_ROTATED: tl.constexpr = False,
+    K_ROPE: tl.constexpr = 0,
+):
+    """Program (split, batch * kv head): partial attention of the group's M query rows.
+
+    split < num_splits: quantized tiles [split * tiles_per_split, ...) of positions [S, Q);
+    split = num_splits + f: residual rows [f * tiles_per_split * BLOCK_N, ...), and for f = 0 also the
+    sinks [0, S). Writes o (normalized) and lse of its slot; `parts` slots per (batch, kv head).
+
+    The methods beyond uniform codes (defaults: off, the plain variants compile as without them):
+    K_CODE / V_CODE 0: integer or fp8 codes (K_BITS 3: bit-sliced int3), 1: nuq codebook levels
+    (klv_ptr / vlv_ptr, fp16 [2^bits]), 2: nvfp4 (E2M1 codes, uint8 E4M3 scales, fp32 tensor scales
+    kts_ptr / vts_ptr [B, H, blocks] of kts_block / vts_block positions from row0);
+    K_OUTLIERS / V_OUTLIERS: sparse corrections per row (fp16 delta kod/vod, uint8 channel koi/voi
+    [B, H, rows, cap]); K_ROTATED: the codes see the query qr_ptr (fp32 q @ R, the layout of q; values'
+    rotation is undone on the partial outputs by the caller); K_ROPE: rotary dim of pre-RoPE keys, turned
+    by cos/sin fp32 [rows, K_ROPE] (row stride scs_t) after dequantizing the tile.
+    """
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    h = (pid_bh % HKV).to(tl.int64)
+    grp = M // N_Q
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < M
+    head = h * grp + offs_m // N_Q  # query head of row m (rows = head in group, query index)
+    q_offs = b * sq_b + head[:, None] * sq_h + (offs_m % N_Q)[:, None] * sq_t + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale  # [BM, D], log2 domain
+    q_hi, q_lo = _hi_lo(q)  # the dots' fp16 halves, for full-precision and per-token keys
+
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if pid_s >= num_splits:
+        f = pid_s - num_splits
+        if f == 0:
+            acc, m_i, l_i = _full_segment(
+                acc,
+                m_i,
+                l_i,
+                q_hi,
+                q_lo,
+                sk_ptr + b * ssk_b + h * ssk_h,
+                sv_ptr + b * ssv_b + h * ssv_h,
+                ssk_t,
+                ssv_t,
+                0,
+                S,
+                BLOCK_N,
+                D,
+            )
+        r_begin = f * tiles_per_split * BLOCK_N
+        r_end = tl.minimum(r_begin + tiles_per_split * BLOCK_N, R)
+        acc, m_i, l_i = _full_segment(
+            acc,
+            m_i,
+            l_i,
+            q_hi,
+            q_lo,
+            rk_ptr + b * srk_b + h * srk_h,
+            rv_ptr + b * srv_b + h * srv_h,
+            srk_t,
+            srv_t,
+            r_begin,
+            r_end,
+            BLOCK_N,
+            D,
+        )
+    else:
+        KDP: tl.constexpr = D * K_BITS // 8
+        VDP: tl.constexpr = D * V_BITS // 8
+        KNG: tl.constexpr = 1 if K_CHANNEL else D // K_GROUP
+        VNG: tl.constexpr = D // V_GROUP
+        K_PACKED: tl.constexpr = K_CODE == 0 and K_BITS != 3  # the codes `_unpack` reads (uniform int, fp8)
+        V_PACKED: tl.constexpr = V_CODE == 0 and V_BITS != 3
+        K_ZERO: tl.constexpr = K_FP8 == 0 and (K_CODE == 0 or (K_CODE == 1 and K_CHANNEL))  # zero points stored
+        V_ZERO: tl.constexpr = V_FP8 == 0 and V_CODE == 0
+        kc_base = kc_ptr + b * skc_b + h * skc_h
+        ks_base = ks_ptr + b * sks_b + h * sks_h
+        kz_base = kz_ptr + b * skz_b + h * skz_h
+        vc_base = vc_ptr + b * svc_b + h * svc_h
+        vs_base = vs_ptr + b * svs_b + h * svs_h
+        vz_base = vz_ptr + b * svz_b + h * svz_h
+        if K_ROTATED:  # Hadamard: q . k = (q R) . (k R), the codes' space; sinks and residual keep q
+            q = tl.load(qr_ptr + q_offs, mask=row_ok[:, None], other=0.0) * qk_scale
+            q_hi, q_lo = _hi_lo(q)
+        n_tiles = tl.cdiv(Q, BLOCK_N)
+        t_begin = pid_s * tiles_per_split
+        t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+        # per-channel keys: q with the current key block's scales folded in (fp16 hi + lo halves) and q . zero;
+        # a tile lies in one block (block_n <= K_GROUP), so they change once per block, not per tile
+        # (FOLD_ONCE; where keeping them across tiles spills registers, the fold runs on every tile)
+        qs_hi = tl.zeros([BLOCK_M, D], dtype=tl.float16)
+        qs_lo = tl.zeros([BLOCK_M, D], dtype=tl.float16)
+        qz = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for tile in range(t_begin, t_end):
+            start = tile * BLOCK_N
+            pos = start + offs_n  # [BN] absolute positions (int32, see _full_segment); rows [0, S) are dummies
+            valid = (pos >= S) & (pos < Q)
+            if K_PACKED:
+                kbyte = tl.load(
+                    kc_base + pos[:, None] * skc_t + tl.arange(0, KDP)[None, :], mask=valid[:, None], other=0
+                )
+                kcode = _unpack(kbyte, K_BITS, K_FP8, BLOCK_N, D, PTX)  # [BN, D] fp16
+            else:
+                kcode = _unpack_values(kc_base + pos[:, None] * skc_t, valid, K_BITS, K_CODE, klv_ptr, BLOCK_N, D, PTX)
+            if K_CHANNEL and K_ROPE == 0:
+                if (not FOLD_ONCE) or (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block
+                    blk = start // K_GROUP
+                    ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
+                    if K_FP8 != 0:
+                        ks = ks * _FP8_UNIT
+                    qs_hi, qs_lo = _hi_lo(q * ks[None, :])
+                    if K_ZERO:
+                        kz = tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)
+                        qz = tl.sum(q * kz[None, :], 1)
+                s = _dot_hi_lo(qs_hi, qs_lo, tl.trans(kcode)) + qz[:, None]  # [BM, BN]
+                if K_OUTLIERS > 0:  # + sum_j q[idx_tj] delta_tj, the fp16 deltas exact in a dense tile
+                    kcorr = _outlier_tile(
+                        kod_ptr + b * skod_b + h * skod_h,
+                        koi_ptr + b * skoi_b + h * skoi_h,
+                        skod_t,
+                        skoi_t,
+                        pos,
+                        valid,
+                        K_OUTLIERS,
+                        BLOCK_N,
+                        D,
+                    )
+                    s += _dot_hi_lo(q_hi, q_lo, tl.trans(kcorr))
+            else:  # dequantize the tile in registers (fp32): per-token keys, or pre-RoPE keys to turn
+                if K_CHANNEL:
+                    blk = start // K_GROUP
+                    ks = tl.load(ks_base + blk * sks_t + offs_d).to(tl.float32)  # [D]
+                    k = kcode.to(tl.float32) * ks[None, :]
+                    if K_ZERO:
+                        k += tl.load(kz_base + blk * skz_t + offs_d).to(tl.float32)[None, :]
+                else:
+                    kg = tl.arange(0, KNG)[None, :]
+                    if K_CODE == 2:
+                        ks = _nvfp4_scales(
+                            ks_base, kts_ptr + b * skts_b + h * skts_h, sks_t, pos, valid, row0, kts_block, KNG
+                        )
+                    else:
+                        ks = tl.load(ks_base + pos[:, None] * sks_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
+                    kz = ks
+                    if K_ZERO:
+                        kz = tl.load(kz_base + pos[:, None] * skz_t + kg, mask=valid[:, None], other=0.0).to(tl.float32)
+                    elif K_FP8 != 0:
+                        ks = ks * _FP8_UNIT
+                    k = _dequantize_rows(kcode, ks, kz, K_GROUP, K_ZERO, BLOCK_N, D)  # [BN, D] fp32
+                if K_OUTLIERS > 0:
+                    k += _outlier_tile(
+                        kod_ptr + b * skod_b + h * skod_h,
+                        koi_ptr + b * skoi_b + h * skoi_h,
+                        skod_t,
+                        skoi_t,
+                        pos,
+                        valid,
+                        K_OUTLIERS,
+                        BLOCK_N,
+                        D,
+                    ).to(tl.float32)
+                if K_ROPE > 0:  # the keys' RoPE at their positions, clamped to fp16's range as reference.dequantize
+                    cs = pos[:, None] * scs_t + offs_d[None, :]
+                    turned = valid[:, None] & (offs_d[None, :] < K_ROPE)
+                    cos = tl.load(cos_ptr + cs, mask=turned, other=1.0)
+                    sin = tl.load(sin_ptr + cs, mask=turned, other=0.0)
+                    k = _rope_rows(k, cos, sin, BLOCK_N, D, K_ROPE)
+                    k = tl.minimum(tl.maximum(k, -_FP16_MAX), _FP16_MAX)
+                s = _dot_f32(q_hi, q_lo, tl.trans(k))
+            s = tl.where(valid[None, :], s, float("-inf"))
+            if V_PACKED:
+                vbyte = tl.load(
+                    vc_base + pos[:, None] * svc_t + tl.arange(0, VDP)[None, :], mask=valid[:, None], other=0
+                )
+            vg = tl.arange(0, VNG)[None, :]
+            if V_CODE == 2:  # nvfp4: fp32 scales, the values rounded to fp16 once
+                vs = _nvfp4_scales(vs_base, vts_ptr + b * svts_b + h * svts_h, svs_t, pos, valid, row0, vts_block, VNG)
+            else:
+                vs = tl.load(vs_base + pos[:, None] * svs_t + vg, mask=valid[:, None], other=0.0)  # [BN, VNG]
+            vz = vs
+            if V_ZERO:
+                vz = tl.load(vz_base + pos[:, None] * svz_t + vg, mask=valid[:, None], other=0.0)
+            elif V_FP8 != 0:
+                vs = vs * _FP8_UNIT  # fp16: scales are at most 65504 / 448, times 256 stays finite
+            if V_PACKED:
+                vcode = _unpack(vbyte, V_BITS, V_FP8, BLOCK_N, D, PTX)
+            else:  # looked-up values: scaled in fp32, rounded to fp16 once
+                vcode = _unpack_values(vc_base + pos[:, None] * svc_t, valid, V_BITS, V_CODE, vlv_ptr, BLOCK_N, D, PTX)
+                vs = vs.to(tl.float32)
+            v = _dequantize_rows(vcode, vs, vz, V_GROUP, V_ZERO, BLOCK_N, D).to(tl.float16)
+            if V_OUTLIERS > 0:  # + p_t delta_tj at channel idx_tj: the deltas join the fp16 values
+                vcorr = _outlier_tile(
+                    vod_ptr + b * svod_b + h * svod_h,
+                    voi_ptr + b * svoi_b + h * svoi_h,
+                    svod_t,
+                    svoi_t,
+                    pos,
+                    valid,
+                    V_OUTLIERS,
+                    BLOCK_N,
+                    D,
+                )
+                v += vcorr
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
+
+    empty = l_i == 0.0
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    slot = pid_bh.to(tl.int64) * parts + pid_s
+    tl.store(o_part_ptr + (slot * BLOCK_M + offs_m[:, None]) * D + offs_d[None, :], o)
+    tl.store(lse_part_ptr + slot * BLOCK_M + offs_m, lse)
+
+
+@triton.jit
+def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """Program (batch * kv head): log-sum-exp merge of the n_parts partial results of its M rows."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    base = pid * n_parts
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for i in range(0, n_parts):
+        mx = tl.maximum(mx, tl.load(lse_part_ptr + (base + i) * BLOCK_M + offs_m))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for i in range(0, n_parts):
+        w = tl.exp(tl.load(lse_part_ptr + (base + i) * BLOCK_M + offs_m) - mx)  # [BM]
+        o = tl.load(o_part_ptr + ((base + i) * BLOCK_M + offs_m[:, None]) * D + offs_d[None, :])
+        acc += w[:, None] * o
+        total += w
+    ok = total > 0.0
+    out = acc / tl.where(ok, total, 1.0)[:, None]
+    lse = tl.where(ok, mx + tl.log(tl.where(ok, total, 1.0)), float("-inf"))
+    row_ok = offs_m < M
+    tl.store(out_ptr + (pid * M + offs_m[:, None]) * D + offs_d[None, :], out, mask=row_ok[:, None])
+    tl.store(lse_ptr + pid * M + offs_m, lse, mask=row_ok)
+
+
+# --- launch: past_attention and the kernel's arguments ----------------------------------------------
+
+
+def _code_kind(q: QuantizedTensor) -> int:
+    """The decode kernel's K_CODE / V_CODE of a stored part: 0 integer or fp8 codes, 1 nuq levels, 2 nvfp4."""
+    return 2 if q.fmt == "nvfp4" else 1 if q.levels is not None else 0
+
+
+def _levels(q: QuantizedTensor) -> torch.Tensor:
+    """The codebook the kernel reads: fp16, as stored (QuantizedTensor's contract; the quantizer picks codes
+    with the fp16 levels), so looked-up codes are exact fp16 dot operands."""
+    return q.levels.half()
+
+
+def _arg(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """(tensor, stride_b, stride_h, stride_t) for the kernel; empty or missing tensors become a dummy."""
+    if t is None or t.numel() == 0:
+        return dummy, 0, 0, 0
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.shape[2] * t.stride(2) >= 2**31:  # the kernel's offsets within one (batch, head) are int32
+        raise ValueError(f"a cache tensor of shape {tuple(t.shape)} is too long for one head's int32 offsets")
+    return t, t.stride(0), t.stride(1), t.stride(2)
+
+
+def past_attention(
+    query: torch.Tensor,
+    kv,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = NUM_STAGES,
+):
+    """Fused decode attention of `query` over one layer's packed past (twin of `reference.past_attention`).
+
+    query: [B, Hq, n, D] (any float dtype, any strides); kv: `kvdemo.cache.PackedKV`, kv.length > 0.
+    num_splits: programs per (batch, kv head) the sequence is split over, before rounding to whole tiles:
+    the quantized region and the full-precision residual get tiles of the same count each (default:
+    about PROGRAMS_PER_SM programs per SM). The partial results are merged by log-sum-exp.
+    block_n (tokens per tile, a power of two, capped by the key group), num_warps (defaults: `launch_config`)
+    and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them). The
+    default tile is halved, once per shape, on a GPU whose shared memory per block cannot hold it.
+    Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
+    `supports_attention`, is handed to the reference (the decode path never passes a mask).
+    """
+    if mask is not None or not supports_attention(query, kv):
+        return reference.past_attention(query, kv, scaling, mask)
+    if kv.length <= 0:
+        raise ValueError("past_attention needs a non-empty past (kv.length > 0)")
+    _, hq, n, d = query.shape
+    block_m = _block_m((hq // kv.kv_heads) * n)
+    cc = capability(query.device)
+    default_n, default_warps = launch_config(d, block_m, cc, method_kind(kv))
+    explicit_block_n = block_n is not None
+    # a GPU with less shared memory per block than sm_90 (a T4 has 64 KiB) cannot run the default tile:
+    # halve it until it launches, once per shape, and remember what fits (a block_n given is not changed)
+    spec = kv.spec
+    methods = (spec.outliers, spec.pre_rope, spec.hadamard)
+    fits_key = (query.device, d, block_m, spec.key_format, spec.value_format, spec.key_axis, methods, query.dtype)
+    fits_key += (num_stages,)
+    block_n = block_n or _FITTING_BLOCK_N.get(fits_key, default_n)
+    while True:
+        try:
+            warps = num_warps or default_warps
+            out, lse = _launch_decode(
+                query, kv, scaling, block_n, block_m, num_splits, warps, num_stages, fold_once(d, cc)
+            )
+            break
+        except triton.runtime.errors.OutOfResources:
+            if explicit_block_n or block_n <= 16:
+                raise
+            block_n //= 2
+    if not explicit_block_n:
+        _FITTING_BLOCK_N[fits_key] = block_n
+    return out, lse
+
+
+_FITTING_BLOCK_N: dict[tuple, int] = {}  # default tiles halved to fit a GPU's shared memory, per shape
+
+
+def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, num_stages, keep_fold):
+    """The two launches of `past_attention` for one tile size: the split kernel, then the merge."""
+    b, hq, n, d = query.shape
+    hkv, r = kv.kv_heads, kv.regions
+    m = (hq // hkv) * n
+    s_len, q_len, r_len = r.sinks, r.quantized, r.residual
+    quant = r.has_codes
+    keys, values = kv.keys.quantized, kv.values.quantized  # QuantizedTensor, or None without codes
+    block_n = min(block_n, MAX_BLOCK_N)
+    if quant and keys.axis == "channel":
+        block_n = min(block_n, keys.group)
+    if not (_pow2(block_n) and block_n >= 16):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    n_tiles = triton.cdiv(q_len, block_n) if quant else 0  # quantized tiles (positions [0, Q), aligned)
+    r_tiles = triton.cdiv(r_len, block_n)
+    if num_splits is None:
+        num_splits = _default_splits(n_tiles + r_tiles, b * hkv, query.device)
+    tiles_per_split = max(1, triton.cdiv(n_tiles + r_tiles, max(1, int(num_splits))))
+    q_splits = triton.cdiv(n_tiles, tiles_per_split)
+    parts = q_splits + max(1, triton.cdiv(r_tiles, tiles_per_split))  # the first residual split has the sinks
+    o_part = torch.empty((b * hkv, parts, block_m, d), dtype=torch.float32, device=query.device)
+    lse_part = torch.empty((b * hkv, parts, block_m), dtype=torch.float32, device=query.device)
+    out = torch.empty((b, hq, n, d), dtype=torch.float32, device=query.device)
+    lse = torch.empty((b, hq, n), dtype=torch.float32, device=query.device)
+    # stand-ins for absent tensors, of the dtypes the kernel reads there (it is compiled for both branches:
+    # a float pointer where codes belong would give the PTX unpacking blocks fp32 inputs)
+    dummy = query
+    no_codes, no_meta = query.new_empty(1, dtype=torch.uint8), query.new_empty(1, dtype=torch.float16)
+    q_arg = query if query.stride(-1) == 1 else query.contiguous()
+    k_fmt = keys.fmt if quant else "int8"
+    v_fmt = values.fmt if quant else "int8"
+    # the methods beyond uniform codes (see the kernel's docstring); absent ones get stand-ins of their dtypes
+    no_fp32 = query.new_empty(1, dtype=torch.float32)
+    k_rot = quant and keys.rotation is not None
+    v_rot = quant and values.rotation is not None
+    if k_rot:  # the codes see q @ R: both contiguous, so one set of strides serves q and q @ R
+        q_arg = q_arg.contiguous()
+        q_rot = (q_arg.float() @ keys.rotation.to(device=query.device, dtype=torch.float32)).contiguous()
+    k_rope = quant and keys.rope is not None
+    if k_rope:
+        cos, sin = keys.rope.tables(keys.start, keys.start + keys.codes.shape[-2], query.device)  # [rows, rd]
+    k_cap = keys.outlier_index.shape[-1] if quant and keys.outlier_index is not None else 0
+    v_cap = values.outlier_index.shape[-1] if quant and values.outlier_index is not None else 0
+    _decode_split_kernel[(parts, b * hkv)](
+        q_arg,
+        *q_arg.stride()[:3],
+        *_arg(kv.keys.sinks, dummy),
+        *_arg(kv.values.sinks, dummy),
+        *_arg(kv.keys.residual, dummy),
+        *_arg(kv.values.residual, dummy),
+        *_arg(keys.codes if quant else None, no_codes),
+        *_arg(keys.scale if quant else None, no_meta),
+        *_arg(keys.zero if quant else None, no_meta),
+        *_arg(values.codes if quant else None, no_codes),
+        *_arg(values.scale if quant else None, no_meta),
+        *_arg(values.zero if quant else None, no_meta),
+        q_rot if k_rot else q_arg,
+        _levels(keys) if quant and keys.levels is not None else no_meta,
+        _levels(values) if quant and values.levels is not None else no_meta,
+        *_arg(keys.tensor_scale if quant else None, no_fp32)[:3],
+        *_arg(values.tensor_scale if quant else None, no_fp32)[:3],
+        keys.start if quant else 0,
+        max(1, keys.block) if quant else 1,
+        max(1, values.block) if quant else 1,
+        *_arg(keys.outlier_delta if k_cap else None, no_meta),
+        *_arg(keys.outlier_index if k_cap else None, no_codes),
+        *_arg(values.outlier_delta if v_cap else None, no_meta),
+        *_arg(values.outlier_index if v_cap else None, no_codes),
+        cos if k_rope else no_fp32,
+        sin if k_rope else no_fp32,
+        cos.stride(0) if k_rope else 0,
+        o_part,
+        lse_part,
+        hkv,
+        n,
+        m,
+        s_len,
+        q_len if quant else 0,
+        r_len,
+        tiles_per_split,
+        q_splits,
+        float(scaling) * LOG2E,
+        parts,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        K_BITS=reference.code_bits(k_fmt),
+        K_FP8=FP8_CODE.get(k_fmt, 0),
+        K_CHANNEL=kv.spec.key_axis == "channel",
+        K_GROUP=keys.group if quant else block_n,
+        V_BITS=reference.code_bits(v_fmt),
+        V_FP8=FP8_CODE.get(v_fmt, 0),
+        V_GROUP=values.group if quant else d,
+        PTX=ptx_unpacking(),
+        FOLD_ONCE=keep_fold,
+        K_CODE=_code_kind(keys) if quant else 0,
+        V_CODE=_code_kind(values) if quant else 0,
+        K_OUTLIERS=k_cap,
+        V_OUTLIERS=v_cap,
+        K_ROTATED=k_rot,
+        K_ROPE=cos.shape[-1] if k_rope else 0,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if v_rot:  # the quantized splits' outputs are in the values' rotated space: turn them back (out @ R.T)
+        rot = values.rotation.to(device=query.device, dtype=torch.float32)
+        o_part[:, :q_splits] = o_part[:, :q_splits] @ rot.T
+    _merge_kernel[(b * hkv,)](o_part, lse_part, out, lse, parts, m, BLOCK_M=block_m, D=d, num_warps=4)
+    return out, lse
+
+
+def kv_bytes_read(kv) -> int:
+    """Bytes of K/V the decode kernel reads for one call (codes, metadata, sparse outliers, codebooks, sinks,
+    residual; not pre-RoPE keys' cos/sin tables): for benchmarks."""
+    total = 0
+    for part in (kv.keys, kv.values):
+        tensors = [part.sinks, part.residual]
+        if kv.regions.has_codes:
+            q = part.quantized
+            tensors += [q.codes, q.scale, q.zero, q.tensor_scale, q.outlier_delta, q.outlier_index, q.levels]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
