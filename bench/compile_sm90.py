@@ -35,6 +35,7 @@ from gpu_attention import GOAL_POINT, GOALS  # noqa: E402  (bench/, this script'
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from kvdemo import formats  # noqa: E402
 from kvdemo.quant import launch, triton_decode, triton_quantize  # noqa: E402
 
 STRIDE = re.compile(r"^s[a-z]*_[bhtd]$")  # stride arguments: sx_t, skc_h, ...
@@ -43,7 +44,7 @@ FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr", "qr_ptr", "kts_ptr",
 MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # other pointers: fp16 scales
 # strides that are not multiples of 16 in a real cache: sparse outliers' rows (cap entries), nvfp4 tensor scales
 UNALIGNED = {"skod_t", "skoi_t", "svod_t", "svoi_t", "skts_b", "skts_h", "svts_b", "svts_h"}
-FORMATS = {"int8": (8, 0), "int4": (4, 0), "int2": (2, 0), "fp8_e4m3": (8, 1), "fp8_e5m2": (8, 2)}
+PLAIN_FORMATS = [f.name for f in formats.all_formats() if "quantize" in f.kernels]  # what the plain kernel codes
 
 
 def signature(fn, constexprs: dict, half: str = "fp16", pointers: dict | None = None) -> tuple[dict, dict, dict]:
@@ -164,8 +165,8 @@ def global_loads(ptx: str) -> dict:
 
 def quantize_variants(quick: bool) -> list[dict]:
     rows = []
-    for fmt in ("int8", "int4", "int2", "fp8_e4m3") if quick else FORMATS:
-        bits, fp8 = FORMATS[fmt]
+    for fmt in ("int8", "int4", "int2", "fp8_e4m3") if quick else PLAIN_FORMATS:
+        bits, fp8 = formats.get(fmt).bits, formats.get(fmt).fp8_code
         for head_dim in (128,) if quick else (64, 128):
             for axis, group in (("channel", 128), ("token", min(128, head_dim))):
                 dp = head_dim * bits // 8
@@ -237,8 +238,8 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
             axes = ("channel", "token") if not quick or (kf, vf) == ("int8", "int4") else ("channel",)
             for key_axis in axes if head_dim in launch.TOKEN_KEY_HEAD_DIMS else ("channel",):
                 for block_m in sorted({16, launch.MAX_BLOCK_M[head_dim]}) if not quick or kf == vf == "int8" else (16,):
-                    kb, kfp8 = FORMATS[kf]
-                    vb, vfp8 = FORMATS[vf]
+                    kb, kfp8 = formats.get(kf).bits, formats.get(kf).fp8_code
+                    vb, vfp8 = formats.get(vf).bits, formats.get(vf).fp8_code
                     block_n, warps = launch.launch_config(head_dim, block_m, cc)
                     group = min(128, head_dim)
                     consts = {
@@ -282,7 +283,6 @@ METHODS = [
     ("", "nvfp4", "nvfp4", "token", {}, {"ks_ptr": "*u8", "vs_ptr": "*u8"}),
     ("", "nuq3", "nuq3", "token", {}, {}),
 ]
-METHOD_FORMATS = {"nuq4": (4, 1), "nuq3": (3, 1), "nuq2": (2, 1), "int3": (3, 0), "nvfp4": (4, 2)}  # bits, code
 
 
 def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
@@ -293,7 +293,7 @@ def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
         for label, kf, vf, key_axis, extra, pointers in METHODS:
             if key_axis == "token" and head_dim not in launch.TOKEN_KEY_HEAD_DIMS:
                 continue
-            (kb, kcode), (vb, vcode) = (METHOD_FORMATS.get(f) or (FORMATS[f][0], 0) for f in (kf, vf))
+            (kb, kcode), (vb, vcode) = ((formats.get(f).bits, formats.get(f).code_kind) for f in (kf, vf))
             extra = dict(extra)
             rope = extra.pop("ROPE", False)
             method = "outliers" if "K_OUTLIERS" in extra else "codes" if rope or (kf, vf) != ("int4", "int4") else ""

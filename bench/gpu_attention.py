@@ -290,7 +290,7 @@ def sdpa_us(keys, values, query, device: torch.device, smoke: bool) -> tuple[flo
 
 def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
     from kvdemo.precision import parse_precision
-    from kvdemo.quant import launch, reference, triton_decode
+    from kvdemo.quant import launch, reference_attention, triton_decode
 
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
     hq, hkv, d = shape["q_heads"], shape["kv_heads"], shape["head_dim"]
@@ -324,7 +324,7 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
             err = None
             if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
                 got = triton_decode.past_attention(query, kv, scale)[0]
-                want = reference.past_attention(query, kv, scale)[0]
+                want = reference_attention.past_attention(query, kv, scale)[0]
                 err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
             packed_bytes = triton_decode.kv_bytes_read(kv)
             rows.append(
@@ -517,13 +517,13 @@ def long_row(job: dict, lm) -> dict:
     from kvdemo.layout import Layout, bytes_per_token, region_bytes
     from kvdemo.measured import measure_prefill
     from kvdemo.precision import parse_precision
-    from kvdemo.quant import reference
+    from kvdemo.quant import reference_attention
 
     spec = parse_precision(job["precision"])
     counts = ("long_past_calls", "triton_calls", "reference_streamed_calls", "reference_calls")
     zero = dict.fromkeys(counts, 0) | {"past_attention_s": 0.0}
     stats = dict(zero)
-    long_past, streamed = attention.long_past_attention, reference.past_attention_streamed
+    long_past, streamed = attention.long_past_attention, reference_attention.past_attention_streamed
 
     def counted(fn, key):
         def wrapper(*a, **k):
@@ -541,8 +541,10 @@ def long_row(job: dict, lm) -> dict:
         return out
 
     patched = [(attention, "long_past_attention", counted(timed, "long_past_calls"))]
-    patched.append((reference, "past_attention_streamed", counted(streamed, "reference_streamed_calls")))
-    patched.append((reference, "past_attention", counted(reference.past_attention, "reference_calls")))
+    patched.append((reference_attention, "past_attention_streamed", counted(streamed, "reference_streamed_calls")))
+    patched.append(
+        (reference_attention, "past_attention", counted(reference_attention.past_attention, "reference_calls"))
+    )
     if attention.backend_for(lm.device) == "triton":
         from kvdemo.quant import triton_decode
 

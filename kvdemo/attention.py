@@ -40,9 +40,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from .cache import BatchView, CacheView
-from .quant import reference
+from .quant import reference_attention
 from .quant.backend import backend_for  # one rule for attention and quantize-on-append
-from .quant.reference import merge  # log-sum-exp merge of partial attentions
+from .quant.reference_attention import merge  # log-sum-exp merge of partial attentions
 
 BF16_BELOW_FP16_MAX = 65280.0  # the largest bf16 value that is finite in fp16 (65504 rounds up to 65536 in bf16)
 
@@ -103,7 +103,7 @@ observers: list = []
 
 
 def past_attention(query, packed, scaling, mask=None, softcap=None):
-    """Dispatch: (out, lse) of `query` over a layer's packed past (see reference.past_attention).
+    """Dispatch: (out, lse) of `query` over a layer's packed past (see reference_attention.past_attention).
 
     Calls with a mask (sliding-window layers past their window, padding) or a logit softcap (Gemma-2) go
     to the PyTorch reference: the Triton kernel implements neither.
@@ -112,7 +112,7 @@ def past_attention(query, packed, scaling, mask=None, softcap=None):
         from .quant import triton_decode
 
         return triton_decode.past_attention(query, fp16_clamped(packed), scaling)
-    return reference.past_attention(query, packed, scaling, mask, softcap=softcap)
+    return reference_attention.past_attention(query, packed, scaling, mask, softcap=softcap)
 
 
 def fp16_clamped(packed):
@@ -165,7 +165,7 @@ def _own_attention(query, keys, values, scaling, mask, softcap):
     if mask is None and softcap is None:  # causal only: the fused CPU kernel (GQA: K/V repeated per head)
         grp = query.shape[1] // keys.shape[1]
         k, v = keys.repeat_interleave(grp, dim=1), values.repeat_interleave(grp, dim=1)
-        fused = reference.flash_attention(query, k, v, scaling, causal=True)
+        fused = reference_attention.flash_attention(query, k, v, scaling, causal=True)
         if fused is not None:
             return fused
     outs, lses = [], []
@@ -215,7 +215,9 @@ def long_past_attention(query, packed, scaling, mask=None, softcap=None, window=
         kv = fp16_clamped(packed)
         parts = [triton_decode.past_attention(query[:, :, i : i + tile], kv, scaling) for i in range(0, n, tile)]
         return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
-    return reference.past_attention_streamed(query, packed, scaling, mask, softcap, window if window_cuts else None)
+    return reference_attention.past_attention_streamed(
+        query, packed, scaling, mask, softcap, window if window_cuts else None
+    )
 
 
 def attend(

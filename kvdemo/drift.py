@@ -35,7 +35,7 @@ from . import attention
 from .cache import CacheView, QuantizedKVCache
 from .models import LoadedModel
 from .precision import DEFAULT_RESIDUAL, PrecisionSpec, parse_precision
-from .quant import reference
+from .quant import reference_attention
 from .runner import PREFILL_MODES, chat_ids, new_cache, prefill, stop_token_ids
 
 TOP_K = 10
@@ -114,7 +114,9 @@ def attention_probabilities(
     b, hq, n, _ = query.shape
     past = view.past_len
     past_mask = None if mask is None else mask[..., :past]
-    probs_past = reference.past_probabilities(query, view.packed(), scaling, past_mask, lse)  # [B, Hq, n, past]
+    probs_past = reference_attention.past_probabilities(
+        query, view.packed(), scaling, past_mask, lse
+    )  # [B, Hq, n, past]
     grp = hq // view.keys.shape[1]
     keys = view.keys.float().repeat_interleave(grp, dim=1)  # [B, Hq, n, D]: head h reads kv head h // grp
     logits = (query.float() @ keys.transpose(-1, -2)) * scaling  # [B, Hq, n, n]

@@ -46,6 +46,8 @@ class Format:
     codebook: bool = False  # per-layer levels fitted offline: 2^bits fp16 levels per layer and part
     kernels: frozenset[str] = frozenset()  # KERNELS that read it; the rest of the work goes to the reference
     fp8_code: int = 0  # the kernels' constexpr id of an fp8 format (0: not fp8)
+    fp8_dtype: str = ""  # fp8 codes: the torch dtype they are ("float8_e4m3fn") and its largest value
+    fp8_max: float = 0.0
     code_kind: int = 0  # the decode kernel's K_CODE / V_CODE: 0 integer or fp8 codes, 1 codebook, 2 nvfp4
 
     def __post_init__(self):
@@ -62,6 +64,12 @@ class Format:
     def label(self) -> str:
         """Its name as a precision when keys and values share it: `int4`, `fp8`."""
         return self.preset or self.name
+
+    @property
+    def planar(self) -> bool:
+        """Uniform integer or fp8 codes packed planar, 8 // bits per byte (not bit-sliced): what the plain
+        fast paths read."""
+        return self.family in ("int", "fp8") and self.bits != 3
 
     @property
     def levels(self) -> int:
@@ -112,8 +120,28 @@ BUILT_IN = (
     _int(4, _ALL_KERNELS),
     _int(3, ("quantize-methods", "decode")),
     _int(2, _ALL_KERNELS),
-    Format("fp8_e4m3", "fp8", 8, "fp8", preset="fp8", kernels=frozenset({"quantize", "decode"}), fp8_code=1),
-    Format("fp8_e5m2", "fp8", 8, "fp8-e5m2", preset="fp8-e5m2", kernels=frozenset({"quantize", "decode"}), fp8_code=2),
+    Format(
+        "fp8_e4m3",
+        "fp8",
+        8,
+        "fp8",
+        preset="fp8",
+        kernels=frozenset({"quantize", "decode"}),
+        fp8_code=1,
+        fp8_dtype="float8_e4m3fn",
+        fp8_max=448.0,
+    ),  # fmt: skip
+    Format(
+        "fp8_e5m2",
+        "fp8",
+        8,
+        "fp8-e5m2",
+        preset="fp8-e5m2",
+        kernels=frozenset({"quantize", "decode"}),
+        fp8_code=2,
+        fp8_dtype="float8_e5m2",
+        fp8_max=57344.0,
+    ),  # fmt: skip
     _nuq(4),
     _nuq(3),
     _nuq(2),

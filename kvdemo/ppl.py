@@ -523,7 +523,8 @@ def kv_split_precisions(spec: PrecisionSpec | str) -> dict[str, str]:
     format's family has the widths, "a bit to the keys" / "a bit to the values": the same mean bits with keys one
     width wider and values one narrower, or the reverse (nuq3 -> knuq4vnuq2 and knuq2vnuq4). Options (outliers,
     sinks, ...) stay. A role that is `spec` itself is left out (k8v4's values alone)."""
-    from .precision import CODE_BITS, with_formats
+    from .formats import code_bits
+    from .precision import with_formats
 
     s = parse_precision(spec)
     if not s.is_quantized:
@@ -539,7 +540,7 @@ def kv_split_precisions(spec: PrecisionSpec | str) -> dict[str, str]:
     if family is not None:
         widths = WIDTHS[family]
         for role, dk in (("a bit to the keys", 1), ("a bit to the values", -1)):
-            kb, vb = CODE_BITS[k] + dk, CODE_BITS[v] - dk
+            kb, vb = code_bits(k) + dk, code_bits(v) - dk
             if kb in widths and vb in widths:
                 roles[role] = with_formats(s, f"{family}{kb}", f"{family}{vb}")
     return {role: r.label for role, r in roles.items() if role == "as given" or r != s}

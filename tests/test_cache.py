@@ -10,7 +10,7 @@ from kvdemo.attention import attend
 from kvdemo.cache import QuantizedKVCache, QuantizedLayer
 from kvdemo.layout import Layout
 from kvdemo.precision import parse_precision
-from kvdemo.quant import reference
+from kvdemo.quant import reference, reference_attention
 
 B, H, HQ, D = 1, 3, 9, 64
 
@@ -215,7 +215,7 @@ def test_cpu_path_turns_one_block_of_codes_into_floats_at_a_time(monkeypatch):
     cache, _, _ = _fill("int4:s4", 1100)
     kv = cache.layers[0].packed()
     q = torch.randn(B, HQ, 1, D, generator=torch.Generator().manual_seed(9))
-    whole_out, whole_lse = reference.past_attention(q, kv, D**-0.5)  # CPU_BLOCK 4096 > 1100: one block
+    whole_out, whole_lse = reference_attention.past_attention(q, kv, D**-0.5)  # CPU_BLOCK 4096 > 1100: one block
     sizes, real = [], reference.codes_to_float
 
     def recording(codes, fmt):
@@ -224,8 +224,8 @@ def test_cpu_path_turns_one_block_of_codes_into_floats_at_a_time(monkeypatch):
         return out
 
     monkeypatch.setattr(reference, "codes_to_float", recording)
-    monkeypatch.setattr(reference, "CPU_BLOCK", 256)
-    out, lse = reference.past_attention(q, kv, D**-0.5)
+    monkeypatch.setattr(reference_attention, "CPU_BLOCK", 256)
+    out, lse = reference_attention.past_attention(q, kv, D**-0.5)
     assert max(sizes) <= 256 and sum(sizes) >= 2 * (1024 - 4)  # keys and values, every coded position
     torch.testing.assert_close(out, whole_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, whole_lse, atol=1e-5, rtol=1e-5)
@@ -246,9 +246,9 @@ def test_streamed_past_attention_equals_the_one_pass(spec, window, monkeypatch):
     if window is not None:  # query i sits at position 900 + i: it sees keys k > 900 + i - window
         k_pos, q_pos = torch.arange(900), 900 + torch.arange(n)
         mask = holes & (k_pos[None, :] > q_pos[:, None] - window)
-    want_out, want_lse = reference.past_attention(q, kv, D**-0.5, mask, softcap=5.0)
-    monkeypatch.setattr(reference, "SCORE_ELEMENTS", 1)  # the smallest pieces: 256 positions
-    out, lse = reference.past_attention_streamed(q, kv, D**-0.5, holes, 5.0, window)
+    want_out, want_lse = reference_attention.past_attention(q, kv, D**-0.5, mask, softcap=5.0)
+    monkeypatch.setattr(reference_attention, "SCORE_ELEMENTS", 1)  # the smallest pieces: 256 positions
+    out, lse = reference_attention.past_attention_streamed(q, kv, D**-0.5, holes, 5.0, window)
     torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=1e-4)
 
@@ -260,8 +260,8 @@ def test_streamed_past_attention_through_the_fused_kernel(spec, monkeypatch):
     cache, _, _ = _fill(spec, 1300)
     kv = cache.layers[0].packed()
     q = torch.randn(B, HQ, 33, D, generator=torch.Generator().manual_seed(12))
-    want_out, want_lse = reference.past_attention(q, kv, D**-0.5)
-    monkeypatch.setattr(reference, "CPU_BLOCK", 512)  # three pieces of codes
-    out, lse = reference.past_attention_streamed(q, kv, D**-0.5)
+    want_out, want_lse = reference_attention.past_attention(q, kv, D**-0.5)
+    monkeypatch.setattr(reference_attention, "CPU_BLOCK", 512)  # three pieces of codes
+    out, lse = reference_attention.past_attention_streamed(q, kv, D**-0.5)
     torch.testing.assert_close(out, want_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=1e-4)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvdemo import attention, drift
 from kvdemo.cache import QuantizedKVCache
 from kvdemo.cli import drift as drift_cli
-from kvdemo.quant import reference
+from kvdemo.quant import reference_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 LN2 = math.log(2.0)
@@ -138,13 +138,13 @@ def test_past_probabilities_rows_sum_to_one_and_match_past_attention():
     layer.update(torch.randn(1, 3, 260, 64, generator=g), torch.randn(1, 3, 260, 64, generator=g))
     packed = layer.packed()
     query = torch.randn(1, 9, 2, 64, generator=g)
-    probs = reference.past_probabilities(query, packed, 0.125)  # [1, 9, 2, 260]
+    probs = reference_attention.past_probabilities(query, packed, 0.125)  # [1, 9, 2, 260]
     assert probs.shape == (1, 9, 2, 260)
     torch.testing.assert_close(probs.sum(-1), torch.ones(1, 9, 2))
-    out, lse = reference.past_attention(query, packed, 0.125)
+    out, lse = reference_attention.past_attention(query, packed, 0.125)
     _, past_v = packed.dequantized()
     torch.testing.assert_close(probs @ past_v.repeat_interleave(3, dim=1), out, rtol=1e-4, atol=1e-5)
-    half = reference.past_probabilities(query, packed, 0.125, lse=lse + math.log(2.0))
+    half = reference_attention.past_probabilities(query, packed, 0.125, lse=lse + math.log(2.0))
     torch.testing.assert_close(half.sum(-1), torch.full((1, 9, 2), 0.5))
 
 

@@ -17,7 +17,7 @@ from kvdemo.cache import QuantizedKVCache
 from kvdemo.calibration import weighted_kmeans
 from kvdemo.codebooks import Codebooks, normal_float
 from kvdemo.precision import parse_precision
-from kvdemo.quant import reference
+from kvdemo.quant import reference, reference_attention
 from kvdemo.quant.reference import E2M1, dequantize, quantize
 from kvdemo.quant.rotations import Rope, hadamard
 
@@ -254,7 +254,7 @@ def test_hadamard_shrinks_per_token_error_of_an_outlier_channel():
     plain = quantize(x, "int4", "token", 64)
     turned = quantize(x, "int4", "token", 64, rotation=rot)
     assert turned.rotation is not None and not turned.plain
-    torch.testing.assert_close(reference._dense(turned), x @ rot, atol=3.0, rtol=0)  # stored in the rotated space
+    torch.testing.assert_close(reference.scaled_codes(turned), x @ rot, atol=3.0, rtol=0)  # stored in the rotated space
     e_plain = float((dequantize(plain) - x).pow(2).mean())
     e_turned = float((dequantize(turned) - x).pow(2).mean())
     assert e_turned < e_plain / 2, (e_turned, e_plain)
@@ -333,7 +333,7 @@ def test_row_slices_dequantize_to_the_same_rows():
         for a, e in [(0, 128), (32, 96), (64, 128), (5, 70), (33, 34), (127, 128)]:
             if align > 1:
                 a, e = a // align * align, -(-e // align) * align
-            part = reference._rows(q, a, e)
+            part = reference_attention._rows(q, a, e)
             assert part.start == q.start + a, name
             torch.testing.assert_close(dequantize(part), whole[:, :, a:e], rtol=1e-6, atol=2e-5, msg=name)
 
@@ -421,16 +421,20 @@ def test_attention_over_codes_equals_attention_over_the_dequantized_past(spec, n
     keys, values = packed.dequantized()
     query = _randn(B, HQ, n_queries, D, seed=9)
     want, want_lse = _exact(query, keys, values, D**-0.5)
-    out, lse = reference.past_attention(query, packed, D**-0.5)
+    out, lse = reference_attention.past_attention(query, packed, D**-0.5)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=1e-5)
-    out, lse = reference.past_attention_streamed(query, packed, D**-0.5)  # fused kernel over dequantized pieces
+    out, lse = reference_attention.past_attention_streamed(
+        query, packed, D**-0.5
+    )  # fused kernel over dequantized pieces
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     mask = torch.ones(B, 1, n_queries, packed.length, dtype=torch.bool)
-    out, lse = reference.past_attention_streamed(query, packed, D**-0.5, mask=mask)  # online softmax from the codes
+    out, lse = reference_attention.past_attention_streamed(
+        query, packed, D**-0.5, mask=mask
+    )  # online softmax from the codes
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse, atol=2e-5, rtol=1e-5)
-    probs = reference.past_probabilities(query, packed, D**-0.5)
+    probs = reference_attention.past_probabilities(query, packed, D**-0.5)
     torch.testing.assert_close(probs.sum(-1), torch.ones(B, HQ, n_queries), atol=1e-5, rtol=0)
 
 

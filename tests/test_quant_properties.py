@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvdemo import formats
 from kvdemo.attention import attend
 from kvdemo.cache import QuantizedLayer
 from kvdemo.precision import GROUP_SIZES, PrecisionSpec
@@ -173,9 +174,9 @@ def test_pack_rejects_an_unpackable_head_dim():
 def test_fp8_codes_round_trip_bytes(fmt, seed):
     """Every fp8 byte that is a finite value decodes and re-encodes to itself."""
     raw = torch.arange(256, dtype=torch.uint8)
-    values = raw.view(reference.FP8_DTYPES[fmt]).float()
+    values = raw.view(getattr(torch, formats.get(fmt).fp8_dtype)).float()
     finite = torch.isfinite(values)
-    again = values[finite].to(reference.FP8_DTYPES[fmt]).view(torch.uint8)
+    again = values[finite].to(getattr(torch, formats.get(fmt).fp8_dtype)).view(torch.uint8)
     same = (again == raw[finite]) | (values[finite] == 0)  # +0 and -0 are both zero
     assert same.all()
     q = reference.quantize(make_tensor((1, 1, 16, 16), "normal", 1.0, seed), fmt, "token", 16)

@@ -40,7 +40,7 @@ if DEVICE == "cpu":
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from kvdemo import attention  # noqa: E402
+from kvdemo import attention, formats  # noqa: E402
 from kvdemo.cache import CacheView, QuantizedLayer  # noqa: E402
 from kvdemo.precision import parse_precision  # noqa: E402
 from kvdemo.quant import backend as quant_backend  # noqa: E402
@@ -49,6 +49,7 @@ from kvdemo.quant import (  # noqa: E402
     triton_codes,
 )
 from kvdemo.quant import reference as ref  # noqa: E402
+from kvdemo.quant import reference_attention as ref_attn  # noqa: E402
 
 pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,7 @@ def test_fp8_bits_match_torch(kernel_modules, fmt):
     """Encode: round-to-nearest-even like torch, ties, subnormals and carries into the exponent
     included (Triton's interpreter gets these wrong with a float8 cast). Decode: every byte exactly
     (as value / 256, the unit the attention kernel unpacks fp8 codes in)."""
-    dtype, fmax = ref.FP8_DTYPES[fmt], ref.FP8_MAX[fmt]
+    dtype, fmax = getattr(torch, formats.get(fmt).fp8_dtype), formats.get(fmt).fp8_max
     g = torch.Generator().manual_seed(1)
     mags = torch.exp2(torch.empty(6000).uniform_(-24, 17, generator=g)).clamp(max=fmax)
     grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
@@ -198,7 +199,7 @@ def test_fp8_bits_match_torch(kernel_modules, fmt):
     byte = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8)
     dec = torch.empty(n)
     args = [t.to(DEVICE) for t in (x, enc, byte, dec)]
-    _fp8_roundtrip_kernel[(1,)](*args, n, FP8=triton_codes.FP8_CODE[fmt], BLOCK=triton.next_power_of_2(n))
+    _fp8_roundtrip_kernel[(1,)](*args, n, FP8=formats.get(fmt).fp8_code, BLOCK=triton.next_power_of_2(n))
     enc, dec = args[1].cpu(), args[3].cpu()
     assert torch.equal(enc, x.to(dtype).view(torch.uint8))
     want = byte.view(dtype).float()
@@ -238,14 +239,14 @@ def test_quantize_edge_values_and_dtypes(tq, fmt):
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
 def test_quantize_rounds_ties_to_even(tq, fmt):
     """Groups spanning [0, levels] have scale 1, so k + 0.5 is an exact tie: half-to-even, as torch."""
-    levels = (1 << ref.INT_BITS[fmt]) - 1
+    levels = (1 << formats.get(fmt).bits) - 1
     row = torch.cat([torch.tensor([0.0, float(levels)]), torch.arange(levels) + 0.5])  # 2 + levels values
     row = row.repeat(-(-32 // row.numel()))[:32]
     row[0], row[1] = 0.0, float(levels)
     x = row.view(1, 1, 1, 32).expand(1, 1, 32, 32).clone()  # token axis: each token is one group of 32
     q = tq.quantize(x, fmt, "token", 32)
     _assert_same_quantized(ref.quantize(x, fmt, "token", 32), q)
-    codes = ref.unpack(q.codes, ref.INT_BITS[fmt])[0, 0, 0].float()
+    codes = ref.unpack(q.codes, formats.get(fmt).bits)[0, 0, 0].float()
     assert torch.equal(codes, row.round())  # torch.round: half to even
     xt = x.transpose(-1, -2).contiguous()  # channel axis: each channel is one group of 32 tokens
     _assert_same_quantized(ref.quantize(xt, fmt, "channel", 32), tq.quantize(xt, fmt, "channel", 32))
@@ -323,7 +324,7 @@ ATTENTION_CASES = [
 def test_past_attention_matches_reference(td, spec, hkv, grp, head_dim, chunks, n_q, splits):
     kv = _layer(spec, hkv, head_dim, chunks, seed=len(spec) + sum(chunks)).packed()
     query = torch.randn(1, hkv * grp, n_q, head_dim, generator=torch.Generator().manual_seed(9))
-    want_out, want_lse = ref.past_attention(query, kv, head_dim**-0.5)
+    want_out, want_lse = ref_attn.past_attention(query, kv, head_dim**-0.5)
     out, lse = td.past_attention(query, kv, head_dim**-0.5, num_splits=splits)
     assert out.dtype == lse.dtype == torch.float32
     assert_attention_close(out, want_out)
@@ -335,7 +336,7 @@ def test_past_attention_every_format_with_split_merge(td, fmt):
     spec = {"fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}.get(fmt, fmt) + ":g16:r16:s4"
     kv = _layer(spec, 1, 64, [71], seed=11).packed()
     query = torch.randn(1, 3, 1, 64, generator=torch.Generator().manual_seed(12))
-    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    want_out, want_lse = ref_attn.past_attention(query, kv, 0.125)
     for splits in (1, 3, 50):  # one program, several, more than there are tiles
         out, lse = td.past_attention(query, kv, 0.125, num_splits=splits)
         assert_attention_close(out, want_out)
@@ -349,11 +350,11 @@ def test_past_attention_mid_block_past_and_half_precision(td):
     assert kv.quant_len == 45 and kv.quant_len % 16
     query = torch.randn(1, 3, 64, 2)[..., :1].transpose(-1, -2)  # [B, Hq, n, D], last-dim stride 2
     assert query.stride(-1) == 2
-    assert_attention_close(td.past_attention(query, kv, 0.125)[0], ref.past_attention(query, kv, 0.125)[0])
+    assert_attention_close(td.past_attention(query, kv, 0.125)[0], ref_attn.past_attention(query, kv, 0.125)[0])
     for dtype in (torch.float16, torch.bfloat16):  # a 16-bit model's queries, sinks and residual
         half = _layer("int8:g16:r16:s4", 1, 64, [53], seed=14, dtype=dtype).packed()
         q16 = torch.randn(1, 3, 1, 64).to(dtype)
-        want = ref.past_attention(q16, half, 0.125)
+        want = ref_attn.past_attention(q16, half, 0.125)
         got = td.past_attention(q16, half, 0.125)
         assert_attention_close(got[0], want[0])
         assert_attention_close(got[1], want[1], "lse")
@@ -365,7 +366,7 @@ def test_past_attention_launch_settings_change_only_speed(td, block_n, num_warps
     for i, spec in enumerate(("int4:g32:r32:s4", "k8v4:g16:r16:s2:ktoken", "int8:g128:r128:s4", "full")):
         kv = _layer(spec, 2, 64, [150, 1], seed=30 + i).packed()
         query = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(31 + i))
-        want_out, want_lse = ref.past_attention(query, kv, 0.125)
+        want_out, want_lse = ref_attn.past_attention(query, kv, 0.125)
         out, lse = td.past_attention(query, kv, 0.125, num_splits=3, block_n=block_n, num_warps=num_warps)
         assert_attention_close(out, want_out)
         assert_attention_close(lse, want_lse, "lse")
@@ -394,7 +395,7 @@ def test_past_attention_halves_the_default_tile_where_shared_memory_is_short(td,
     monkeypatch.setattr(module, "_FITTING_BLOCK_N", {})
     kv = _layer("int4:g128:r128:s4", 1, 64, [300], seed=41).packed()
     query = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(42))
-    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    want_out, want_lse = ref_attn.past_attention(query, kv, 0.125)
     for _ in range(2):
         out, lse = td.past_attention(query, kv, 0.125)
         assert_attention_close(out, want_out)
@@ -409,14 +410,14 @@ def test_past_attention_many_query_rows(td):
     kv = _layer("int4:g32:r32:s4", 1, 64, [90], seed=40).packed()
     query = torch.randn(1, 8, 5, 64, generator=torch.Generator().manual_seed(41))
     assert launch.supports_attention(query, kv)
-    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    want_out, want_lse = ref_attn.past_attention(query, kv, 0.125)
     out, lse = td.past_attention(query, kv, 0.125)
     assert_attention_close(out, want_out)
     assert_attention_close(lse, want_lse, "lse")
     wide = _layer("int4:g32:r32:s4", 1, 128, [90], seed=42).packed()
     big = torch.randn(1, 8, 9, 128, generator=torch.Generator().manual_seed(43))  # 72 rows -> 128 x 128 > limit
     assert not launch.supports_attention(big, wide)
-    handed = ref.past_attention(big.to(DEVICE), _to(wide, DEVICE), 0.1)  # the reference, on the kernel's device
+    handed = ref_attn.past_attention(big.to(DEVICE), _to(wide, DEVICE), 0.1)  # the reference, on the kernel's device
     torch.testing.assert_close(td.past_attention(big, wide, 0.1), tuple(t.cpu() for t in handed), rtol=0, atol=0)
 
 
@@ -432,7 +433,7 @@ def test_past_attention_tiny_and_huge_magnitudes(td, spec, magnitude):
     layer.update(k, torch.randn(1, 1, 70, 64, generator=g) * magnitude)
     kv = layer.packed()
     query = torch.randn(1, 3, 1, 64, generator=g) * (1.0 / magnitude if magnitude > 1 else 10.0)
-    want_out, want_lse = ref.past_attention(query, kv, 0.125)
+    want_out, want_lse = ref_attn.past_attention(query, kv, 0.125)
     out, lse = td.past_attention(query, kv, 0.125, num_splits=2)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_attention_close(out, want_out)
@@ -444,7 +445,9 @@ def test_past_attention_falls_back_for_masks_and_odd_head_dims(td):
     query = torch.randn(1, 2, 1, 64)
     mask = torch.ones(1, 1, 1, kv.length, dtype=torch.bool)
     mask[..., 10:20] = False
-    torch.testing.assert_close(td.past_attention(query, kv, 0.125, mask), ref.past_attention(query, kv, 0.125, mask))
+    torch.testing.assert_close(
+        td.past_attention(query, kv, 0.125, mask), ref_attn.past_attention(query, kv, 0.125, mask)
+    )
     assert not launch.supports_attention(torch.randn(1, 2, 1, 80), _layer("int8:g16:r16", 1, 80, [40], seed=1).packed())
     assert launch.supports_attention(query, kv)
 

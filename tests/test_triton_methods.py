@@ -32,6 +32,7 @@ from kvdemo.precision import parse_precision
 from kvdemo.quant import backend as quant_backend
 from kvdemo.quant import launch, triton_codes
 from kvdemo.quant import reference as ref
+from kvdemo.quant import reference_attention as ref_attn
 from kvdemo.quant.rotations import Rope
 
 pytestmark = pytest.mark.triton
@@ -57,7 +58,7 @@ def _packed(spec: str, hkv: int, head_dim: int, chunks, seed: int, partial_rope:
 def _compare(td, query, kv, scaling, **settings):
     """The kernel (which must take the call) against the reference: out and lse within the stated bounds."""
     assert launch.supports_attention(query, kv), "the kernel must take this call (not hand it to the reference)"
-    want_out, want_lse = ref.past_attention(query, kv, scaling)
+    want_out, want_lse = ref_attn.past_attention(query, kv, scaling)
     out, lse = td.past_attention(query, kv, scaling, **settings)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert_attention_close(out, want_out)
@@ -151,7 +152,7 @@ def test_each_method_is_seen_by_the_comparison(td, spec, part, fields):
     one position off) misses the reference over the real past."""
     kv = _packed(spec, 1, 32, [60], seed=9)
     query = torch.randn(1, 2, 1, 32, generator=torch.Generator().manual_seed(10))
-    want_out, want_lse = ref.past_attention(query, kv, 32**-0.5)
+    want_out, want_lse = ref_attn.past_attention(query, kv, 32**-0.5)
     broken = _without(kv, part, **fields)
     if part == "keys" and "start" in fields:
         broken = _without(broken, "values", start=1)  # keys and values share their start
@@ -183,7 +184,7 @@ def test_supports_attention_takes_the_methods_and_refuses_the_rest(td):
 def _compare_fallback(td, query, kv):
     """A call the kernel refuses is the reference's, exactly."""
     got = td.past_attention(query, kv, 0.2)
-    want = ref.past_attention(query.to(DEVICE), _to(kv, DEVICE), 0.2)
+    want = ref_attn.past_attention(query.to(DEVICE), _to(kv, DEVICE), 0.2)
     torch.testing.assert_close(got, tuple(t.cpu() for t in want), rtol=0, atol=0)
 
 

@@ -2,7 +2,7 @@
 
 - `supports_attention(query, kv)`: shapes and stored formats the kernel reads: head_dim a power of two in
   [16, 256], query rows per kv head (GQA group x queries, padded) up to `max_block_m` (MAX_BLOCK_M by
-  head_dim), per-token keys at TOKEN_KEY_HEAD_DIMS, codes of DECODE_FORMATS with the methods beyond
+  head_dim), per-token keys at TOKEN_KEY_HEAD_DIMS, codes of the registry's decode formats with the methods beyond
   uniform codes (`_decodes`). The rest (more than MAX_OUTLIERS corrections per row, a rotary dim that is
   not a power of two dividing head_dim, the methods at head_dim 256 or beyond 16 query rows at head_dim
   128) goes to the reference.
@@ -20,11 +20,11 @@ from dataclasses import replace
 import torch
 import triton
 
+from .. import formats
 from .backend import interpreting
-from .reference import INT_BITS, QuantizedTensor
-from .triton_codes import FP8_CODE, MAX_OUTLIERS, _pow2
+from .reference import QuantizedTensor
+from .triton_codes import MAX_OUTLIERS, _pow2
 
-DECODE_FORMATS = (*INT_BITS, *FP8_CODE, "int3", "nuq4", "nuq3", "nuq2", "nvfp4")  # what the decode kernel reads
 PROGRAMS_PER_SM = 4  # decode programs per SM in all (the GPU benchmark sweeps 2-16)
 NUM_STAGES = 3  # software-pipeline depth of the decode loop (the GPU benchmark sweeps 2-3)
 
@@ -38,8 +38,8 @@ TOKEN_KEY_HEAD_DIMS = (32, 64, 128)
 
 def supports_attention(query: torch.Tensor, kv) -> bool:
     """Shapes and stored formats the decode kernel handles: head_dim a power of two in [16, 256], query rows
-    per kv head (GQA group x queries) up to MAX_BLOCK_M, per-token keys at TOKEN_KEY_HEAD_DIMS, codes of
-    DECODE_FORMATS with the methods `_decodes` accepts."""
+    per kv head (GQA group x queries) up to MAX_BLOCK_M, per-token keys at TOKEN_KEY_HEAD_DIMS, codes of the
+    formats whose registry entry lists the "decode" kernel, with the methods `_decodes` accepts."""
     b, hq, n, d = query.shape
     hkv, spec = kv.kv_heads, kv.spec
     fmts_ok = True
@@ -58,7 +58,8 @@ def supports_attention(query: torch.Tensor, kv) -> bool:
 def _decodes(q: QuantizedTensor, d: int, keys: bool) -> bool:
     """Whether the decode kernel reads this stored part: its format, its methods (outliers up to
     MAX_OUTLIERS per row, a rotation, pre-RoPE keys with a rotary dim that is a power of two dividing d)."""
-    if q.fmt not in DECODE_FORMATS or (q.levels is not None) != q.fmt.startswith("nuq"):
+    f = formats.get(q.fmt)
+    if "decode" not in f.kernels or (q.levels is not None) != f.codebook:
         return False
     if q.outlier_index is not None and q.outlier_index.shape[-1] > MAX_OUTLIERS:
         return False

@@ -37,19 +37,16 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), QuaRot (arXiv 2
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import formats
 from ..precision import outlier_cap
 
 FP16_MAX = 65504.0
 MIN_SCALE = 1e-6  # fp16-representable, keeps (x - zero) / scale finite for constant groups
-FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
-INT_BITS = {"int8": 8, "int4": 4, "int2": 2}  # uniform integer codes the Triton kernels read
-CODE_BITS = {**INT_BITS, "int3": 3, "nuq4": 4, "nuq3": 3, "nuq2": 2, "nvfp4": 4}  # every indexed format
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # NVFP4 magnitudes
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
@@ -83,7 +80,7 @@ class QuantizedTensor:
     def plain(self) -> bool:
         """Uniform int / fp8 codes with nothing else: the fast paths and the Triton kernels read these."""
         extras = (self.levels, self.outlier_delta, self.rotation, self.rope)
-        return all(e is None for e in extras) and (self.fmt in INT_BITS or self.fmt in FP8_DTYPES)
+        return all(e is None for e in extras) and formats.get(self.fmt).planar
 
     def nbytes(self) -> dict:
         def size(t):
@@ -97,20 +94,11 @@ class QuantizedTensor:
 
 
 def code_bits(fmt: str) -> int:
-    return CODE_BITS.get(fmt, 8)
+    return formats.get(fmt).bits
 
 
-def packed_width(fmt: str, head_dim: int) -> int:
-    """Bytes of one stored row of `head_dim` codes (ValueError when head_dim cannot be packed)."""
-    bits = code_bits(fmt)
-    unit = 8 if bits == 3 else 8 // bits  # 3-bit: 1-bit planes of 8 channels per byte
-    if head_dim % unit:
-        raise ValueError(f"head_dim {head_dim} cannot be packed {bits} bits per code (needs a multiple of {unit})")
-    return head_dim * bits // 8
-
-
-def codes_per_byte(fmt: str) -> int:
-    return 8 // INT_BITS[fmt] if fmt in INT_BITS else 1
+def _fp8_dtype(f: formats.Format) -> torch.dtype:
+    return getattr(torch, f.fp8_dtype)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -180,30 +168,31 @@ def quantize(
     if x.dim() != 4:
         raise ValueError(f"expected [B, H, T, D], got shape {tuple(x.shape)}")
     d = x.shape[-1]
+    f = formats.get(fmt)
     xf = turned(x, rotation, rope, start)
     extras = {"rotation": rotation, "rope": rope, "start": start}
-    if fmt == "nvfp4":
+    if f.family == "nvfp4":
         return _quantize_nvfp4(xf, block or x.shape[-2], extras)
     g = _grouped(xf, axis, group)
     red = -2 if axis == "channel" else -1
     cap = outlier_cap(outliers, d)
     picks = outlier_picks(xf, axis, group, cap) if cap else None  # [B, H, T, cap] channels kept exact
-    if fmt in FP8_DTYPES:
+    if f.family == "fp8":
         amax = g.abs().amax(dim=red, keepdim=True)
-        scale = (amax / FP8_MAX[fmt]).clamp(min=MIN_SCALE).half().float()
-        codes = (g / scale).clamp(-FP8_MAX[fmt], FP8_MAX[fmt]).to(FP8_DTYPES[fmt]).view(torch.uint8)
+        scale = (amax / f.fp8_max).clamp(min=MIN_SCALE).half().float()
+        codes = (g / scale).clamp(-f.fp8_max, f.fp8_max).to(_fp8_dtype(f)).view(torch.uint8)
         zero = None
-    elif fmt in CODE_BITS:
+    elif f.family in ("int", "nuq"):
         lo, hi = _ranges(g, red, None if picks is None else _grouped(_mask(xf, picks), axis, group))
-        if fmt.startswith("nuq"):
-            if levels is None or levels.numel() != 1 << CODE_BITS[fmt]:
-                raise ValueError(f"{fmt} needs a codebook of {1 << CODE_BITS[fmt]} levels")
+        if f.codebook:
+            if levels is None or levels.numel() != f.levels:
+                raise ValueError(f"{fmt} needs a codebook of {f.levels} levels")
             scale, zero = _nuq_scale(lo, hi, axis)
             lv = levels.to(xf.device).half().float()  # the fp16 levels stored and read back
             norm = (g - (0.0 if zero is None else zero)) / scale
             codes = torch.bucketize(norm.clamp_(-1, 1), (lv[1:] + lv[:-1]) / 2).to(torch.uint8)
         else:
-            top = (1 << CODE_BITS[fmt]) - 1
+            top = (1 << f.bits) - 1
             zero = lo.half().float()
             scale = ((hi - zero) / top).clamp(min=MIN_SCALE, max=FP16_MAX).half().float()
             codes = ((g - zero) / scale).round_().clamp_(0, top).to(torch.uint8)
@@ -212,7 +201,7 @@ def quantize(
         raise ValueError(f"cannot quantize to {fmt!r}")
     codes = codes.view(x.shape)
     q = QuantizedTensor(
-        pack(codes, code_bits(fmt)),
+        pack(codes, f.bits),
         scale.squeeze(red).half(),
         zero,
         fmt,
@@ -224,7 +213,7 @@ def quantize(
     )
     if picks is not None:  # exact fp16 corrections at the picked channels (rotated / pre-RoPE space)
         q.outlier_index = picks.to(torch.uint8)
-        q.outlier_delta = (xf - _dense(q)).gather(-1, picks).half()
+        q.outlier_delta = (xf - scaled_codes(q)).gather(-1, picks).half()
     return q
 
 
@@ -319,16 +308,17 @@ def _quantize_nvfp4(xf: torch.Tensor, block: int, extras: dict) -> QuantizedTens
 
 def decode_codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     """Packed uint8 [..., D/P] -> code values as float32 [..., D] (integer levels or fp8 values)."""
-    if fmt in FP8_DTYPES:
-        return packed.view(FP8_DTYPES[fmt]).float()
-    return unpack(packed, code_bits(fmt)).float()
+    f = formats.get(fmt)
+    if f.family == "fp8":
+        return packed.view(_fp8_dtype(f)).float()
+    return unpack(packed, f.bits).float()
 
 
 def code_values(q: QuantizedTensor) -> torch.Tensor:
     """The codes' values before scaling, fp32 [B, H, T, D]: integer levels, fp8 values, codebook levels (nuq)
     or signed E2M1 magnitudes (nvfp4)."""
     vals, order = looked_up(q)
-    return vals if order is None else vals.index_select(-1, _inverse(order))
+    return vals if order is None else vals.index_select(-1, inverse_order(order))
 
 
 def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -342,8 +332,9 @@ def looked_up(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     if bits == 3:
         codes, order = _three_bit_codes(q.codes)
         return (codes.float() if q.levels is None else _lookup(q.levels.float(), codes)), order
-    if q.fmt == "nvfp4" or q.levels is not None:
-        table = _E2M1_SIGNED.to(q.codes.device) if q.fmt == "nvfp4" else q.levels
+    nvfp4 = formats.get(q.fmt).family == "nvfp4"
+    if nvfp4 or q.levels is not None:
+        table = _E2M1_SIGNED.to(q.codes.device) if nvfp4 else q.levels
         per_byte = 8 // bits
         words, dtype = _byte_words(table, bits)
         *lead, width = q.codes.shape
@@ -413,7 +404,7 @@ def _byte_order(width: int, per_byte: int, device) -> torch.Tensor:
 _INVERSES = WeakIdKeyDictionary()  # order -> its inverse permutation (orders come from the cached `_byte_order`)
 
 
-def _inverse(order: torch.Tensor) -> torch.Tensor:
+def inverse_order(order: torch.Tensor) -> torch.Tensor:
     inverse = _INVERSES.get(order)
     if inverse is None:
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
@@ -426,14 +417,14 @@ _E2M1_SIGNED = torch.tensor(E2M1 + tuple(-m for m in E2M1))  # code -> value: bi
 
 def group_scale(q: QuantizedTensor) -> torch.Tensor:
     """Each group's scale as fp32, shaped like `q.scale` (nvfp4: E4M3 scale x the row's tensor scale)."""
-    if q.fmt != "nvfp4":
+    if formats.get(q.fmt).family != "nvfp4":
         return q.scale.float()
     t = q.codes.shape[-2]
     rows_block = _row_blocks(q.start, t, q.block, q.codes.device)
     return q.scale.view(torch.float8_e4m3fn).float() * q.tensor_scale[:, :, rows_block].unsqueeze(-1)
 
 
-def _dense(q: QuantizedTensor) -> torch.Tensor:
+def scaled_codes(q: QuantizedTensor) -> torch.Tensor:
     """The codes and their scales alone, fp32 [B, H, T, D] in the stored space (rotated / pre-RoPE, no
     sparse corrections)."""
     codes = code_values(q)  # [B, H, T, D]
@@ -447,7 +438,7 @@ def _dense(q: QuantizedTensor) -> torch.Tensor:
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """QuantizedTensor -> [B, H, T, D] in `dtype`: codes, sparse corrections, rotation back, RoPE."""
-    x = _dense(q)
+    x = scaled_codes(q)
     if q.outlier_delta is not None:
         x.scatter_add_(-1, q.outlier_index.long(), q.outlier_delta.float())
     if q.rotation is not None:
@@ -468,8 +459,9 @@ def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> tor
     xf = x.float()
     g = _grouped(xf, axis, group)
     red = -2 if axis == "channel" else -1
-    if fmt in INT_BITS:
-        levels = (1 << INT_BITS[fmt]) - 1
+    f = formats.get(fmt)
+    if f.family == "int":
+        levels = (1 << f.bits) - 1
         span = g.amax(dim=red, keepdim=True) - g.amin(dim=red, keepdim=True)
         step = (span / levels).clamp(min=MIN_SCALE)
         absmax = g.abs().amax(dim=red, keepdim=True)
@@ -482,13 +474,11 @@ def max_abs_error_bound(x: torch.Tensor, fmt: str, axis: str, group: int) -> tor
         exact = torch.maximum(torch.maximum(0.5 * scale_h, hi - lo_h - levels * scale_h), lo_h - lo)
         bound = torch.maximum(bound, exact * (1 + 1e-5) + absmax * 1e-6)
         return bound.expand_as(g).reshape(x.shape)
-    rel = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}[fmt]
-    scale = (g.abs().amax(dim=red, keepdim=True) / FP8_MAX[fmt]).clamp(min=MIN_SCALE)
-    floor = scale * {"fp8_e4m3": 2.0**-9, "fp8_e5m2": 2.0**-16}[fmt] * 2
+    finfo = torch.finfo(_fp8_dtype(f))  # half an ulp: 2^-(mantissa bits + 1) relative; the subnormal floor
+    rel = finfo.eps / 2
+    scale = (g.abs().amax(dim=red, keepdim=True) / f.fp8_max).clamp(min=MIN_SCALE)
+    floor = scale * finfo.smallest_normal * finfo.eps * 2
     return (g.abs() * rel * (1 + 2e-3) + floor + scale * 1e-3).reshape(x.shape)
-
-
-# --- attention over the packed cache: the PyTorch twin of triton_decode.past_attention ----------
 
 
 def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -499,13 +489,14 @@ def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     fp8 bytes are turned into fp16 bit patterns (e5m2 is the top byte of an fp16; e4m3fn shifted
     into fp16 is exact up to a factor 2^8), since torch's float8 -> float32 cast is slow on CPU.
     """
-    if fmt == "fp8_e5m2":
+    f = formats.get(fmt)
+    if f.fp8_dtype == "float8_e5m2":
         return (codes.to(torch.int16) << 8).view(torch.float16).float()
-    if fmt == "fp8_e4m3":
+    if f.fp8_dtype == "float8_e4m3fn":
         wide = codes.to(torch.int16)
         bits = ((wide & 0x80) << 8) | ((wide & 0x7F) << 7)
         return bits.view(torch.float16).float().mul_(256.0)
-    bits = code_bits(fmt)
+    bits = f.bits
     per_byte = 8 // bits
     if per_byte == 1:
         return codes.float()
@@ -516,313 +507,3 @@ def codes_to_float(codes: torch.Tensor, fmt: str) -> torch.Tensor:
         plane = codes if p == 0 else codes >> (bits * p)
         out[..., p * dp : (p + 1) * dp].copy_(plane & mask if p < per_byte - 1 else plane)
     return out
-
-
-CPU_BLOCK = 4096  # stored positions turned into floats at a time: a multiple of every group size
-
-
-def _rows(q: QuantizedTensor, start: int, stop: int) -> QuantizedTensor:
-    """Rows [start, stop) of a stored QuantizedTensor (channel axis: whole groups, start % group == 0)."""
-    if q.axis == "channel":
-        meta = slice(start // q.group, -(-stop // q.group))
-    else:
-        meta = slice(start, stop)
-    zero = None if q.zero is None else q.zero[:, :, meta]
-    out = replace(q, codes=q.codes[:, :, start:stop], scale=q.scale[:, :, meta], zero=zero, start=q.start + start)
-    if q.outlier_delta is not None:
-        out.outlier_delta, out.outlier_index = q.outlier_delta[:, :, start:stop], q.outlier_index[:, :, start:stop]
-    if q.tensor_scale is not None:
-        first = q.start // q.block
-        out.tensor_scale = q.tensor_scale[
-            :, :, (q.start + start) // q.block - first : (q.start + stop - 1) // q.block - first + 1
-        ]
-    return out
-
-
-def _channel_key_scores(qg: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
-    """Scores of qg [B, H, M, D] against per-channel-quantized keys (whole groups), from the codes.
-
-    k[t, c] = scale[b(t), c] * code[t, c] + zero[b(t), c]  =>
-    q . k_t = q . (scale_b * code_t) + q . zero_b   (codes scaled in their float buffer, one matmul)
-    """
-    b, h, m, d = qg.shape
-    scale = keys.scale.float()  # [B, H, NB, D]
-    nb, g = scale.shape[-2], keys.group
-    vals, order = looked_up(keys)
-    codes = vals.view(b, h, nb, g, d)  # [B, H, NB, G, D]
-    q_ordered = qg if order is None else qg.index_select(-1, order)  # q . k is the same in any channel order
-    codes.mul_((scale if order is None else scale.index_select(-1, order)).unsqueeze(3))
-    scores = (q_ordered @ codes.view(b, h, nb * g, d).transpose(-1, -2)).view(b, h, m, nb, g)  # [B, H, M, NB, G]
-    if keys.zero is not None:
-        scores = scores + (qg @ keys.zero.float().transpose(-1, -2)).unsqueeze(-1)  # + [B, H, M, NB, 1]
-    return scores.view(b, h, m, nb * g)
-
-
-def _key_scores(qg: torch.Tensor, keys: QuantizedTensor) -> torch.Tensor:
-    """Scores qg [B, H, M, D] . k_t for every stored row of `keys` (channel axis: whole groups) -> [B, H, M, T].
-
-    From the codes, never a dequantized copy in the original space: a Hadamard turns the query instead
-    of the keys ((q R) . (k R) = q . k), sparse outliers add q[idx] * delta. Pre-RoPE keys are turned per
-    position, so they are dequantized (and RoPE applied) first."""
-    if keys.rope is not None:
-        return qg @ dequantize(keys).transpose(-1, -2)
-    qk = qg if keys.rotation is None else qg @ keys.rotation
-    if keys.axis == "channel":
-        scores = _channel_key_scores(qk, keys)
-    else:
-        scores = qk @ _dense(keys).transpose(-1, -2)
-    if keys.outlier_delta is not None:  # sum_j q[idx_tj] delta_tj
-        b, h, m, _ = qk.shape
-        t, cap = keys.outlier_index.shape[-2:]
-        idx = keys.outlier_index.long().view(b, h, 1, t * cap).expand(b, h, m, t * cap)
-        picked = qk.gather(-1, idx).mul_(keys.outlier_delta.float().view(b, h, 1, t * cap))
-        scores += picked if cap == 1 else picked.view(b, h, m, t, cap).sum(-1)  # scores: this call's own buffer
-    return scores
-
-
-def _token_value_output(p: torch.Tensor, values: QuantizedTensor) -> torch.Tensor:
-    """sum_t p[m, t] v_t for stored values (any format and method): the codes' output in the stored space,
-    sparse outliers scattered in, a Hadamard undone on the output [M, D] rather than on every value."""
-    out = _plain_value_output(p, values)
-    if values.outlier_delta is not None:
-        b, h, m, t = p.shape
-        cap = values.outlier_index.shape[-1]
-        src = (p.unsqueeze(-1) * values.outlier_delta.float().unsqueeze(2)).view(b, h, m, t * cap)
-        idx = values.outlier_index.long().view(b, h, 1, t * cap).expand(b, h, m, t * cap)
-        out = out.scatter_add_(-1, idx, src)  # out: this call's own buffer
-    if values.rotation is not None:
-        out = out @ values.rotation.T
-    return out
-
-
-def _plain_value_output(p: torch.Tensor, values: QuantizedTensor) -> torch.Tensor:
-    """sum_t p[m, t] v_t for per-token-quantized values, from the codes.
-
-    p [B, H, M, T]; values: codes [B, H, T, D/P], scale/zero [B, H, T, D/G]; v_tc = s_tj code_tc + z_tj (j = c // G).
-    One group per token (G = D): out = (p * s) @ code + (p @ z); else the scales go into the codes.
-    """
-    b, h, m, t = p.shape
-    codes, order = looked_up(values)  # [B, H, T, D]
-    d, group, scale, zero = codes.shape[-1], values.group, group_scale(values), values.zero
-    if group == d:
-        out = (p * scale.float()[..., 0].unsqueeze(2)) @ codes  # [B, H, M, D]
-        if order is not None:  # back to channel order: [M, D], not the [T, D] values
-            out = out.index_select(-1, _inverse(order))
-    else:
-        if order is not None:
-            codes = codes.index_select(-1, _inverse(order))
-        codes.view(b, h, t, d // group, group).mul_(scale.float().unsqueeze(-1))
-        out = p @ codes
-    if zero is not None and group == d:  # sum_t p_t z_t: a reduction (a [M, T] @ [T, 1] matmul is ~7x slower on CPU)
-        out = out + (p * zero.float()[..., 0].unsqueeze(2)).sum(-1, keepdim=True)
-    elif zero is not None:
-        out = out + (p @ zero.float()).repeat_interleave(group, dim=-1)
-    return out
-
-
-def _coded_key_logits(qg: torch.Tensor, keys: QuantizedTensor, start: int, stop: int, out: torch.Tensor) -> None:
-    """Write qg's scores against coded positions [start, stop) into out [B, H, M, stop - start], CPU_BLOCK
-    positions at a time (channel-axis blocks aligned to whole groups)."""
-    for a in range((start // CPU_BLOCK) * CPU_BLOCK, stop, CPU_BLOCK):
-        e = min(a + CPU_BLOCK, keys.codes.shape[-2])
-        lo, hi = max(a, start), min(e, stop)
-        if keys.axis == "channel":
-            scores = _key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
-        else:
-            scores = _key_scores(qg, _rows(keys, lo, hi))
-        out[..., lo - start : hi - start] = scores
-
-
-def _past_logits(
-    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, softcap: float | None = None
-) -> torch.Tensor:
-    """Scaled scores of query [B, Hq, n, D] over the packed past -> fp32 [B, Hkv, M, length] (M = Hq/Hkv * n).
-
-    Rows are (head in group, query), so `.reshape(B, Hq, n, length)` is the per-query-head layout.
-    Masked positions are -inf. softcap (Gemma-2): scores -> tanh(s / softcap) * softcap, before the mask.
-    """
-    b, hq, n, d = query.shape
-    r, hkv = kv.regions, kv.kv_heads
-    grp = hq // hkv
-    qg = query.float().reshape(b, hkv, grp * n, d)  # [B, Hkv, M, D], rows = (head in group, query)
-    logits = torch.empty(b, hkv, grp * n, r.tokens, dtype=torch.float32, device=query.device)
-    logits[..., : r.sinks] = qg @ kv.keys.sinks.float().transpose(-1, -2)
-    if r.has_codes:
-        _coded_key_logits(qg, kv.keys.quantized, r.sinks, r.quantized, logits[..., r.sinks : r.quantized])
-    logits[..., r.residual_start :] = qg @ kv.keys.residual.float().transpose(-1, -2)
-    logits *= scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    if mask is not None:
-        m = mask.expand(b, hq, n, r.tokens).reshape(b, hkv, grp * n, r.tokens)
-        logits = logits.masked_fill(~m, float("-inf"))
-    return logits
-
-
-def past_attention(
-    query: torch.Tensor, kv, scaling: float, mask: torch.Tensor | None = None, softcap: float | None = None
-):
-    """Attention of every query over the stored past of one layer (no causal mask is needed: every
-    stored position precedes every query). Grouped-query: one K/V read serves each group of heads.
-
-    query: [B, Hq, n, D]; kv: cache.PackedKV with kv.length > 0, Hkv heads dividing Hq;
-    mask: optional bool [B, 1 or Hq, n, length], True = attend; softcap: optional logit cap (Gemma-2).
-    Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]) for a log-sum-exp merge with other parts.
-
-    Memory: besides the scores (M x length fp32, the attention weights themselves), codes are turned into
-    floats CPU_BLOCK positions at a time, so the extra memory is bounded by the block, not the past.
-    """
-    b, hq, n, d = query.shape
-    r = kv.regions
-    logits = _past_logits(query, kv, scaling, mask, softcap)  # [B, Hkv, M, length]
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, Hkv, M, 1]
-    probs = torch.exp(logits - lse).nan_to_num_(0.0)
-    out = probs[..., : r.sinks] @ kv.values.sinks.float()
-    for lo in range(r.sinks, r.quantized if r.has_codes else r.sinks, CPU_BLOCK):
-        hi = min(lo + CPU_BLOCK, r.quantized)
-        out = out + _token_value_output(probs[..., lo:hi], _rows(kv.values.quantized, lo, hi))
-    if r.residual:
-        out = out + probs[..., r.residual_start :] @ kv.values.residual.float()
-    return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
-
-
-SCORE_ELEMENTS = 1 << 21  # streamed attention: scores held at once (query rows x piece, fp32: 8 MiB)
-
-
-def flash_attention(query, keys, values, scaling: float, causal: bool = False):
-    """(out fp32, lse fp32 [B, H, M]) of query [B, H, M, D] over keys/values [B, H, L, D] with PyTorch's fused
-    CPU flash-attention kernel (tiled: no M x L scores), or None where it is missing or not on the CPU.
-    causal: query i sees keys [0, i] (M == L). The kernel is private API of the pinned torch, probed once."""
-    if query.device.type != "cpu" or not _FLASH:
-        return None
-    q, k, v = (t.float().contiguous() for t in (query, keys, values))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)
-    return out, lse
-
-
-_FLASH = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _segment_tensors(kv, part: str, kind: str, lo: int, hi: int) -> torch.Tensor:
-    """Keys or values of positions [lo, hi) of one piece of the past, as fp32 [B, H, hi - lo, D]."""
-    stored = getattr(kv, part)
-    r = kv.regions
-    if kind != "coded":
-        offset = 0 if kind == "sinks" else r.residual_start
-        return (stored.sinks if kind == "sinks" else stored.residual)[:, :, lo - offset : hi - offset].float()
-    q = stored.quantized
-    if q.axis == "channel":  # whole groups of tokens, sliced to [lo, hi)
-        a, e = (lo // q.group) * q.group, -(-hi // q.group) * q.group
-        return dequantize(_rows(q, a, e))[:, :, lo - a : hi - a]
-    return dequantize(_rows(q, lo, hi))
-
-
-def merge(out_a, lse_a, out_b, lse_b):
-    """Combine two partial softmax attentions over disjoint key sets (log-sum-exp weights)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    wa = torch.exp(lse_a - lse).nan_to_num_(0.0).unsqueeze(-1)
-    wb = torch.exp(lse_b - lse).nan_to_num_(0.0).unsqueeze(-1)
-    return out_a * wa + out_b * wb, lse
-
-
-def _segments(r, block: int):
-    """Pieces (kind, start, stop) of the stored past [0, r.tokens): the sinks, the coded positions in
-    `block`-aligned pieces, the residual in pieces of at most `block`."""
-    if r.sinks:
-        yield "sinks", 0, r.sinks
-    if r.has_codes:
-        for a in range((r.sinks // block) * block, r.quantized, block):
-            yield "coded", max(a, r.sinks), min(a + block, r.quantized)
-    for a in range(r.residual_start, r.tokens, block):
-        yield "residual", a, min(a + block, r.tokens)
-
-
-def _segment_keys_values(kv, kind: str, lo: int, hi: int, qg: torch.Tensor):
-    """Scores of qg [B, H, M, D] against positions [lo, hi) (unscaled, fp32) and a function p -> p @ V."""
-    r = kv.regions
-    if kind != "coded":
-        offset = 0 if kind == "sinks" else r.residual_start
-        part_k = kv.keys.sinks if kind == "sinks" else kv.keys.residual
-        part_v = kv.values.sinks if kind == "sinks" else kv.values.residual
-        v = part_v[:, :, lo - offset : hi - offset].float()
-        return qg @ part_k[:, :, lo - offset : hi - offset].float().transpose(-1, -2), lambda p: p @ v
-    keys = kv.keys.quantized
-    if keys.axis == "channel":  # whole groups of tokens, sliced to [lo, hi)
-        a, e = (lo // keys.group) * keys.group, -(-hi // keys.group) * keys.group
-        scores = _key_scores(qg, _rows(keys, a, e))[..., lo - a : hi - a]
-    else:
-        scores = _key_scores(qg, _rows(keys, lo, hi))
-    values = _rows(kv.values.quantized, lo, hi)
-    return scores, lambda p: _token_value_output(p, values)
-
-
-def past_attention_streamed(
-    query: torch.Tensor,
-    kv,
-    scaling: float,
-    mask: torch.Tensor | None = None,
-    softcap: float | None = None,
-    window: int | None = None,
-):
-    """`past_attention` for many queries (a prefill chunk over a long stored past), in bounded memory.
-
-    The past is read piece by piece (sinks, coded blocks, residual) with an online softmax: at any time
-    one piece's scores (query rows x piece, at most SCORE_ELEMENTS fp32) and one piece of codes turned
-    into floats are held, never scores over the whole past nor a float copy of it. Without a mask, softcap
-    or window, on the CPU, each piece (CPU_BLOCK positions, dequantized) goes through PyTorch's fused
-    flash-attention kernel instead, which holds no scores at all.
-    query: [B, Hq, n, D], the queries at positions kv.length + i (they follow the whole stored past);
-    mask: optional bool [B, 1 or Hq, n, length]; softcap as in `past_attention`; window: a sliding
-    window (query at p sees keys k > p - window). Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]).
-    """
-    b, hq, n, d = query.shape
-    r, hkv = kv.regions, kv.kv_heads
-    grp = hq // hkv
-    rows = grp * n
-    qg = query.float().reshape(b, hkv, rows, d)  # [B, Hkv, M, D], rows = (head in group, query)
-    block = max(256, (SCORE_ELEMENTS // rows) // 256 * 256)  # a multiple of every group size
-    q_pos = (kv.length + torch.arange(n, device=query.device)).repeat(grp)  # [M] the row's position
-    out = torch.zeros(b, hkv, rows, d, dtype=torch.float32, device=query.device)
-    lse = torch.full((b, hkv, rows), float("-inf"), dtype=torch.float32, device=query.device)
-    if mask is None and softcap is None and window is None and query.device.type == "cpu" and _FLASH:
-        for kind, lo, hi in _segments(r, CPU_BLOCK):  # the fused kernel over dequantized pieces of the past
-            k, v = _segment_tensors(kv, "keys", kind, lo, hi), _segment_tensors(kv, "values", kind, lo, hi)
-            out, lse = merge(out, lse, *flash_attention(qg, k, v, scaling))
-        return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
-    for kind, lo, hi in _segments(r, block):
-        if window is not None and hi <= int(q_pos.min()) - window + 1:
-            continue  # every query's window starts after this piece
-        scores, weighted_values = _segment_keys_values(kv, kind, lo, hi, qg)
-        logits = scores * scaling  # [B, Hkv, M, hi - lo]
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        if mask is not None:
-            logits = logits.masked_fill(~mask[..., lo:hi].expand(b, hq, n, hi - lo).reshape(logits.shape), -torch.inf)
-        if window is not None:
-            k_pos = torch.arange(lo, hi, device=query.device)
-            logits = logits.masked_fill(k_pos <= (q_pos[:, None] - window), -torch.inf)
-        seg_lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, M]
-        probs = torch.exp(logits - seg_lse.unsqueeze(-1)).nan_to_num_(0.0)
-        out, lse = merge(out, lse, weighted_values(probs), seg_lse)
-    return out.reshape(b, hq, n, d), lse.reshape(b, hq, n)
-
-
-def past_probabilities(
-    query: torch.Tensor,
-    kv,
-    scaling: float,
-    mask: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Attention probabilities of every query over the packed past (the weights `past_attention` uses).
-
-    query: [B, Hq, n, D]; kv: cache.PackedKV; mask as in `past_attention`; lse: optional fp32
-    [B, Hq, n], the log-sum-exp to normalize by (e.g. over past + new tokens, so these probabilities
-    are the past's slice of the whole distribution); default: the past's own, so each row sums to 1.
-    Returns fp32 [B, Hq, n, length] (masked positions are 0).
-    """
-    b, hq, n, _ = query.shape
-    logits = _past_logits(query, kv, scaling, mask, softcap).reshape(b, hq, n, kv.length)  # [B, Hq, n, length]
-    norm = torch.logsumexp(logits, dim=-1) if lse is None else lse.float()  # [B, Hq, n]
-    return torch.exp(logits - norm.unsqueeze(-1)).nan_to_num_(0.0)

@@ -14,7 +14,7 @@ The storage layout is `kvdemo.quant.reference`'s (see its docstring). Here, as @
   With PTX set (compiled for NVIDIA) the unpacking runs `kvdemo.quant.ptx`'s inline blocks instead of the
   Triton ops, with the same values.
 
-Also the constants both kernel families read: FP8_CODE, MAX_OUTLIERS, and the constexpr copies of
+Also the constants both kernel families read: MAX_OUTLIERS, and the constexpr copies of
 FP16_MAX and of the fp8 unit (fp8 codes are unpacked as value / 256).
 """
 
@@ -39,7 +39,6 @@ from .ptx import (
 )
 from .reference import FP16_MAX
 
-FP8_CODE = {"fp8_e4m3": 1, "fp8_e5m2": 2}  # constexpr ids of the fp8 formats (0 = integer format)
 MAX_OUTLIERS = 4  # sparse corrections per row the decode kernel expands (each a compare-and-select per tile)
 _FP16_MAX = tl.constexpr(FP16_MAX)  # globals read inside kernels must be constexpr
 _FP8_UNIT = tl.constexpr(256.0)  # fp8 codes are unpacked as value / 256 (see _fp8_decode)

@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from .. import formats
+from . import reference_attention
 from .launch import (
     NUM_STAGES,
     _block_m,
@@ -58,7 +59,6 @@ from .reference import QuantizedTensor
 from .triton_codes import (
     _FP8_UNIT,
     _FP16_MAX,
-    FP8_CODE,
     _dequantize_rows,
     _nvfp4_scales,
     _outlier_tile,
@@ -497,8 +497,9 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_
 
 
 def _code_kind(q: QuantizedTensor) -> int:
-    """The decode kernel's K_CODE / V_CODE of a stored part: 0 integer or fp8 codes, 1 nuq levels, 2 nvfp4."""
-    return 2 if q.fmt == "nvfp4" else 1 if q.levels is not None else 0
+    """The decode kernel's K_CODE / V_CODE of a stored part (its format's `code_kind`: 0 integer or fp8 codes,
+    1 codebook levels, 2 nvfp4)."""
+    return formats.get(q.fmt).code_kind
 
 
 def _levels(q: QuantizedTensor) -> torch.Tensor:
@@ -541,7 +542,7 @@ def past_attention(
     `supports_attention`, is handed to the reference (the decode path never passes a mask).
     """
     if mask is not None or not supports_attention(query, kv):
-        return reference.past_attention(query, kv, scaling, mask)
+        return reference_attention.past_attention(query, kv, scaling, mask)
     if kv.length <= 0:
         raise ValueError("past_attention needs a non-empty past (kv.length > 0)")
     _, hq, n, d = query.shape
@@ -661,12 +662,12 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        K_BITS=reference.code_bits(k_fmt),
-        K_FP8=FP8_CODE.get(k_fmt, 0),
+        K_BITS=formats.get(k_fmt).bits,
+        K_FP8=formats.get(k_fmt).fp8_code,
         K_CHANNEL=kv.spec.key_axis == "channel",
         K_GROUP=keys.group if quant else block_n,
-        V_BITS=reference.code_bits(v_fmt),
-        V_FP8=FP8_CODE.get(v_fmt, 0),
+        V_BITS=formats.get(v_fmt).bits,
+        V_FP8=formats.get(v_fmt).fp8_code,
         V_GROUP=values.group if quant else d,
         PTX=ptx_unpacking(),
         FOLD_ONCE=keep_fold,

@@ -38,13 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import formats
 from ..precision import outlier_cap
 from . import reference
-from .reference import INT_BITS, MIN_SCALE, QuantizedTensor
+from .reference import MIN_SCALE, QuantizedTensor
 from .triton_codes import (
     _FP8_UNIT,
     _FP16_MAX,
-    FP8_CODE,
     MAX_OUTLIERS,
     _code_value,
     _fp8_decode,
@@ -57,14 +57,15 @@ QUANT_TILE = 4096  # elements per quantize program (registers: ~32 fp32 values p
 _MIN_SCALE = tl.constexpr(MIN_SCALE)  # globals read inside kernels must be constexpr
 
 
-def _bits(fmt: str) -> int:
-    return INT_BITS.get(fmt, 8)
+def _plain(fmt: str) -> bool:
+    """A format the plain quantize kernel codes (its registry entry lists the "quantize" kernel)."""
+    return "quantize" in formats.get(fmt).kernels
 
 
 def supports_quantize(fmt: str, head_dim: int) -> bool:
     """Plain formats and head dims the plain quantize kernel handles (`quantize_into` too); calls with methods
     or other formats: `supports_quantize_methods`; the rest goes to the reference."""
-    return (fmt in INT_BITS or fmt in FP8_CODE) and _pow2(head_dim) and 16 <= head_dim <= 256
+    return _plain(fmt) and _pow2(head_dim) and 16 <= head_dim <= 256
 
 
 @triton.jit
@@ -210,7 +211,7 @@ def quantize_into(
     """
     _check_quantize(x, fmt, axis, group)
     b, h, t, d = x.shape
-    bits, fp8 = _bits(fmt), FP8_CODE.get(fmt, 0)
+    bits, fp8 = formats.get(fmt).bits, formats.get(fmt).fp8_code
     want_codes, want_meta = (b, h, t, d * bits // 8), _meta_shape(x, axis, group)
     if tuple(codes.shape) != want_codes or codes.dtype != torch.uint8 or codes.stride(-1) != 1:
         raise ValueError(f"codes must be uint8 {want_codes} with a contiguous last dim")
@@ -257,7 +258,7 @@ def quantize(x: torch.Tensor, fmt: str, axis: str, group: int, **methods) -> Qua
     reference.quantize's keywords (levels, outliers, rotation, rope, start, block); a call with any of them,
     or a format beyond the plain ones, runs the method kernels (`supports_quantize_methods` says which)."""
     plain = not methods.get("outliers") and all(methods.get(k) is None for k in ("levels", "rotation", "rope"))
-    if not (plain and (fmt in INT_BITS or fmt in FP8_CODE)):
+    if not (plain and _plain(fmt)):
         if x.dim() != 4:
             raise ValueError(f"expected [B, H, T, D], got shape {tuple(x.shape)}")
         if not supports_quantize_methods(fmt, axis, group, x.shape[-1], **methods):
@@ -268,9 +269,9 @@ def quantize(x: torch.Tensor, fmt: str, axis: str, group: int, **methods) -> Qua
         return _quantize_methods(x, fmt, axis, group, **full)
     _check_quantize(x, fmt, axis, group)
     b, h, t, d = x.shape
-    codes = torch.empty((b, h, t, d * _bits(fmt) // 8), dtype=torch.uint8, device=x.device)
+    codes = torch.empty((b, h, t, formats.get(fmt).packed_width(d)), dtype=torch.uint8, device=x.device)
     scale = torch.empty(_meta_shape(x, axis, group), dtype=torch.float16, device=x.device)
-    zero = None if fmt in FP8_CODE else torch.empty_like(scale)
+    zero = torch.empty_like(scale) if formats.get(fmt).has_zero(axis) else None
     quantize_into(x, fmt, axis, group, codes, scale, zero)
     return QuantizedTensor(codes, scale, zero, fmt, axis, group, d)
 
@@ -282,7 +283,6 @@ def quantize(x: torch.Tensor, fmt: str, axis: str, group: int, **methods) -> Qua
 # Both run with enable_fp_fusion=False: `a * b + c` (the dequantized value behind an outlier's correction)
 # stays two roundings, as in torch, instead of one fma.
 
-METHOD_QUANT_FORMATS = (*INT_BITS, "int3", "nuq4", "nuq3", "nuq2", "nvfp4")  # what the method kernels code
 OUTLIER_GROUPS = (16, 32, 64, 128, 256)  # key blocks whose channel mean follows torch's summation order
 
 
@@ -422,7 +422,7 @@ def _store_outliers(x, dense, rank, row, ok, delta_ptr, index_ptr, CAP: tl.const
 
 @triton.jit
 def _dense_values(codes, scale, zero, BITS: tl.constexpr, CODE: tl.constexpr, ZERO: tl.constexpr, levels_ptr):
-    """reference._dense on a tile: code value (integer, or fp16 level) * scale (+ zero), fp32, two roundings."""
+    """reference.scaled_codes on a tile: code value (integer, or fp16 level) * scale (+ zero), fp32, two roundings."""
     if CODE == 0:
         value = codes.to(tl.float32)
     else:
@@ -607,7 +607,7 @@ def method_tile(fmt: str, axis: str, group: int, head_dim: int, outliers: bool =
     pieces of BLOCK_T rows), else QUANT_TILE // 2 elements of whole rows (nvfp4: a block's rows at a time); warps grow with the tile (about 32 values of
     each per-element tile per thread) so that sm_90 code does not spill (bench/compile_sm90.py)."""
     rows = max(1, QUANT_TILE // 2 // head_dim)
-    if axis == "channel" and fmt != "nvfp4":
+    if axis == "channel" and formats.get(fmt).family != "nvfp4":
         if outliers:  # the block BLOCK_T rows at a time, twice; 8 warps (4 spill the nuq4 lookups at d128)
             return min(rows, group), 8
         rows = group
@@ -628,20 +628,22 @@ def supports_quantize_methods(
     block: int = 0,
 ) -> bool:
     """Whether `quantize` runs a call with these formats and methods (reference.quantize's keywords) on the
-    method kernels: METHOD_QUANT_FORMATS (nuq with a codebook of 2^bits levels) at head_dim 16..256 (2^k),
+    method kernels: formats whose registry entry lists "quantize-methods" (a codebook format with its 2^bits
+    levels) at head_dim 16..256 (2^k),
     groups a power of two, up to MAX_OUTLIERS outliers per token, and for outliers on keys per channel blocks
     of OUTLIER_GROUPS tokens (where the channel mean follows torch's summation order). fp8 with methods,
     anything else: the reference."""
-    if fmt not in METHOD_QUANT_FORMATS or not (_pow2(head_dim) and 16 <= head_dim <= 256):
+    f = formats.get(fmt)
+    if "quantize-methods" not in f.kernels or not (_pow2(head_dim) and 16 <= head_dim <= 256):
         return False
-    if fmt.startswith("nuq") and (levels is None or levels.numel() != 1 << reference.code_bits(fmt)):
+    if f.codebook and (levels is None or levels.numel() != f.levels):
         return False
-    if fmt == "nvfp4":
+    if f.family == "nvfp4":
         return True  # nvfp4 has no outliers, groups or axis of its own (16 channels per token)
     cap = outlier_cap(outliers, head_dim)
     if axis not in ("channel", "token") or not _pow2(group) or cap > MAX_OUTLIERS:
         return False
-    if axis == "token" and (group > head_dim or (reference.code_bits(fmt) == 3 and head_dim < 16)):
+    if axis == "token" and (group > head_dim or (f.bits == 3 and head_dim < 16)):
         return False
     return not (cap and axis == "channel" and group not in OUTLIER_GROUPS)
 
@@ -649,15 +651,16 @@ def supports_quantize_methods(
 def _quantize_methods(x, fmt, axis, group, levels, outliers, rotation, rope, start, block) -> QuantizedTensor:
     """`quantize` for calls `supports_quantize_methods` takes: the same bytes as reference.quantize."""
     b, h, t, d = x.shape
-    if axis == "channel" and fmt != "nvfp4" and t % group:
+    nvfp4 = formats.get(fmt).family == "nvfp4"
+    if axis == "channel" and not nvfp4 and t % group:
         raise ValueError(f"{t} tokens is not a whole number of {group}-token groups")
     # reference.turned's ops where x is turned; unturned x is cleaned up inside the kernels (CLEAN)
     turned = None if rotation is None and rope is None else reference.turned(x, rotation, rope, start)
     xin = x if turned is None else turned
     extras = dict(rotation=rotation, rope=rope, start=start)
-    bits, cap = reference.code_bits(fmt), outlier_cap(outliers, d)
+    bits, cap = formats.get(fmt).bits, outlier_cap(outliers, d)
     rows, warps = method_tile(fmt, axis, group, d, bool(cap))
-    if fmt == "nvfp4":
+    if nvfp4:
         block = block or t
         n_blocks = (start + t - 1) // block - start // block + 1 if t else 0
         codes = torch.empty((b, h, t, d // 2), dtype=torch.uint8, device=x.device)
@@ -671,10 +674,10 @@ def _quantize_methods(x, fmt, axis, group, levels, outliers, rotation, rope, sta
         return QuantizedTensor(codes, scale, None, fmt, "token", 16, d, tensor_scale=ts, block=block, **extras)
     codes = torch.empty((b, h, t, d * bits // 8), dtype=torch.uint8, device=x.device)
     scale = torch.empty(_meta_shape(x, axis, group), dtype=torch.float16, device=x.device)
-    zero = None if fmt.startswith("nuq") and axis == "token" else torch.empty_like(scale)
+    zero = torch.empty_like(scale) if formats.get(fmt).has_zero(axis) else None
     delta = torch.empty((b, h, t, cap), dtype=torch.float16, device=x.device) if cap else None
     index = torch.empty((b, h, t, cap), dtype=torch.uint8, device=x.device) if cap else None
-    nuq = fmt.startswith("nuq")
+    nuq = formats.get(fmt).codebook
     lv = levels.to(x.device).half() if levels is not None else None
     mids = (lv[1:].float() + lv[:-1].float()) / 2 if nuq else None  # reference's boundaries, fp32
     dummy16 = scale
