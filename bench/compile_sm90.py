@@ -208,7 +208,7 @@ def quantize_method_variants(quick: bool) -> list[dict]:
         for fmt, axis, group, cap in QUANTIZE_METHODS:
             group = min(group, head_dim) if axis == "token" else group  # as supports_quantize_methods allows
             block_t, warps = triton_quantize.method_tile(fmt, axis, group, head_dim, bool(cap))
-            if fmt == "nvfp4":
+            if formats.get(fmt).family == "nvfp4":
                 kernel, consts = "quantize_nvfp4", {"D": head_dim, "CLEAN": True, "BLOCK_T": block_t}
                 pointers = {"codes_ptr": "*u8", "scale_ptr": "*u8", "ts_ptr": "*fp32"}
             else:

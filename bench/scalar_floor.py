@@ -130,7 +130,7 @@ def reconstructed(k: torch.Tensor, method: str, levels) -> torch.Tensor:
     spec = parse_precision(method)
     q = ref.quantize(
         k, spec.key_format, "channel", GROUP, outliers=spec.outliers,
-        levels=levels(spec) if spec.key_format.startswith("nuq") else None,
+        levels=levels(spec) if spec.key.codebook else None,
     )  # fmt: skip
     return ref.dequantize(q)
 
