@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 3's GPU checks in one call on a CUDA machine, from the repository root:
 #   1. bench/gpu_attention.py (copy, quantize, decode vs SDPA, launch sweep, end-to-end tokens/s, then
-#      issue 19's long-context prefill rows in whatever time is left before the bench's own time limit),
+#      the long-context prefill rows in whatever time is left before the bench's own time limit),
 #   2. tests/test_triton.py compiled on the GPU (every kernel test against the CPU reference),
-#   3. tests/test_triton_methods.py the same way (issue 17's formats: nuq, int3, nvfp4, outliers, Hadamard, pre-RoPE).
+#   3. tests/test_triton_methods.py the same way (the methods' formats: nuq, int3, nvfp4, outliers, Hadamard, pre-RoPE).
 # Writes env.txt, gpu_tests.txt, gpu_tests_methods.txt, gpu_attention.json and bench.txt into $OUT (the device tool's folder),
 # else reports/device. Needs python3 with torch (CUDA), triton, transformers and pytest; nothing is
 # installed. At most about 9.5 minutes (BENCH_TIMEOUT_S + TEST_TIMEOUT_S + METHODS_TIMEOUT_S, under a device call's 10);

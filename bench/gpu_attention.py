@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton quantized-cache kernels (issue 3): one script, one device call, one JSON.
+"""GPU benchmark of the Triton quantized-cache kernels : one script, one device call, one JSON.
 
 Measured in the same run, on one GPU:
 
@@ -19,7 +19,7 @@ Measured in the same run, on one GPU:
    `random:<config>` models (assets/model_configs, random weights: tokens/s does not depend on weight
    values). Where the embedded model is not installed (the device machine cannot take its 94 MB
    along) its shapes run with random weights, `random:smollm2-135m`, and the row says so;
-7. long-context prefill (issue 19, last: it has whatever time the sections above leave, at most
+7. long-context prefill (last: it has whatever time the sections above leave, at most
    `--long-budget-s`): a Llama-3.1-8B-shaped random model prefilled in chunks to 128k tokens, int4 and
    full, then its first 2 layers (1 when time is short) to 1M tokens, int4. Per row: peak memory
    (torch.cuda.max_memory_allocated) split into weights, cache and workspace, the cache's bytes by the
@@ -30,7 +30,7 @@ Measured in the same run, on one GPU:
 Quantize also checks that the kernel's bytes equal the PyTorch reference's on the GPU. Each section
 that fails is recorded with its error and the rest still run; the JSON is rewritten after each.
 
-Goals (issue 3, H200): int4 >= 2.5x SDPA at 64k context, batch 8; int8 >= 1.7x; quantize >= 60% of copy.
+Goals (H200): int4 >= 2.5x SDPA at 64k context, batch 8; int8 >= 1.7x; quantize >= 60% of copy.
 
 `--smoke` runs every code path at tiny sizes on CPU under TRITON_INTERPRET=1 (set here when no GPU):
 its numbers say nothing about speed. Usage:
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--method-formats",
         default=None,
-        help="issue 17's formats (precision strings), decoded at the goal point only (smoke: the first point); "
+        help="the methods' formats (nuq, int3, nvfp4, outliers, rotation, pre-RoPE; precision strings), decoded at the goal point only (smoke: the first point); "
         "default nuq4:o1,nuq3:o1,nuq2:o1:s1,int3,nvfp4,int4:hadamard (smoke: nuq3:o1,nvfp4); '' to skip",
     )
     p.add_argument("--quant-formats", default="int8,int4,int2,fp8_e4m3,fp8_e5m2")
@@ -314,7 +314,7 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
         bytes16 = 2 * keys.numel() * keys.element_size()
         methods = _names(args.method_formats) if (batch, ctx) == (points[0] if args.smoke else GOAL_POINT) else []
         for fmt in _names(args.formats) + methods:
-            if fmt in methods:  # issue 17's formats: built as the cache builds them
+            if fmt in methods:  # the methods' formats: built as the cache builds them
                 spec = parse_precision(f"{fmt}:g{args.group}:r{args.residual}")
                 kv = method_packed(keys, values, spec)
             else:
@@ -709,7 +709,7 @@ def max_row_layers(ref: dict, tokens: int, max_layers: int, left_s: float, fixed
 
 
 def bench_long(device: torch.device, args, deadline: float, on_row=None) -> list[dict]:
-    """Prefill peak memory and time at long contexts (issue 19): `--long-model` (Llama-3.1-8B shapes, random
+    """Prefill peak memory and time at long contexts: `--long-model` (Llama-3.1-8B shapes, random
     weights) at `--long-context` tokens at each of `--long-precisions`, then its first `--long-max-layers`
     layers (fewer when the time left says so) at `--long-max-context` tokens, int4. Chunked prefill
     (kvdemo.runner, PREFILL_CHUNK tokens a chunk): each chunk attends over the packed past through

@@ -1,4 +1,4 @@
-"""How close can 3-bit scalar key codes come to int4 on this model? An oracle floor for nuq3 (issue 17).
+"""How close can 3-bit scalar key codes come to int4 on this model? An oracle floor for nuq3.
 
 nuq3:o1 misses int4's perplexity in its keys (README, "Keys or values"). Its keys are one fitted codebook of 8
 levels per layer, stretched over each channel's range in each 128-token block, with 1% of the elements kept
@@ -16,7 +16,7 @@ Three measures, keys only (values at int8):
 - perplexity and logit KL at `--tokens` of that prose with keys alone quantized, the ppl protocol of
   `kvdemo.ppl`. The oracle's keys ride in an int8 cache: each block's oracle values are what int8 then
   stores (int8 keys alone cost a logit KL of about 2e-5, a thousandth of what is measured here);
-- issue 17's passkey grid (`--passkey-repeats` seeds) with 2-bit keys alone: nuq2:o1's keys beside the
+- the passkey grid of docs/methods-passkey.md (`--passkey-repeats` seeds) with 2-bit keys alone: nuq2:o1's keys beside the
   oracle's 4 free levels per block.
 
 And one reference without the model: the same codes on Gaussian channels, beside the distortion-rate
@@ -55,7 +55,7 @@ CARRIER = "int8"  # the precision whose keys the oracle replaces in the perplexi
 PPL_KEYS = {"k4v8": "int4 keys", "knuq3v8:o1": "nuq3:o1 keys", CARRIER: "oracle 3-bit keys"}
 ERROR_METHODS = ("int4", "nuq4:o1", "int3", "nuq3:o1", "oracle")
 GAUSSIAN_SHAPE = (1, 4, 1024, 64)  # [B, H, T, D]
-PASSKEY_KEYS = {"knuq2v8:o1": "nuq2:o1 keys", CARRIER: "oracle 2-bit keys"}  # issue 17's grid, 2-bit keys alone
+PASSKEY_KEYS = {"knuq2v8:o1": "nuq2:o1 keys", CARRIER: "oracle 2-bit keys"}  # the passkey grid, 2-bit keys alone
 PASSKEY_LENGTHS, PASSKEY_DEPTHS = (1024, 2048, 4096), (0.0, 25.0, 50.0, 75.0, 100.0)
 PASSKEY_BAR = (13, 15)
 

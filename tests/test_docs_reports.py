@@ -183,7 +183,7 @@ def test_measured_headroom_table_is_the_reports_table():
 
     report = _report("headroom_measured.json")
     _has_table(_page("memory.md"), measured_markdown(report), report["date"])
-    for row in report["results"]:  # the issue's bar: measured within 5% of the formula
+    for row in report["results"]:  # the bar: measured within 5% of the formula
         assert abs(row["measured_vs_formula"] - 1) <= 0.05, row
 
 
@@ -360,7 +360,7 @@ def test_methods_compile_table_is_the_compile_report():
 
 
 def test_methods_tables_are_the_ablation_report():
-    """The methods page (issue 17): ablation grid, live memory and decode speed from assets/reports/ablation.json."""
+    """The methods page: ablation grid, live memory and decode speed from assets/reports/ablation.json."""
     from kvdemo.cli.ppl import ablation_markdown, check_line, memory_markdown, speed_markdown
 
     page, report = _page("methods.md"), _report("ablation.json")
@@ -436,7 +436,7 @@ def test_kv_split_prose_figures_are_its_report():
 
 
 def test_methods_passkey_table_is_the_needle_report():
-    """The passkey grid (issue 17: nuq2:o1 against int2, with and without the fp16 sink)."""
+    """The passkey grid (nuq2:o1 against int2, with and without the fp16 sink)."""
     page, report = _page("methods-passkey.md"), _report("needle_passkey.json")
     assert report["kind"] == "passkey" and report["provenance"]["command"] in page
     at, rows = _table(page, ["precision", "passkey found", "mean log p", "vs full", "agree with full"])
@@ -471,7 +471,7 @@ def test_oracle_codebooks_passkey_table_is_its_report_beside_the_passkey_grid():
 
 
 def test_passkey_repeats_table_verdict_and_differences_are_the_repeats_report():
-    """The passkey grid ten times (`needle --repeats 10`): its table, the issue's 13/15 bar judged on all runs,
+    """The passkey grid ten times (`needle --repeats 10`): its table, the 13/15 bar judged on all runs,
     the paired differences the page states, and its seed-0 runs equal to the one-grid report, answer for answer."""
     page = _page("methods-passkey.md")
     report, once = _report("needle_passkey_repeats.json"), _report("needle_passkey.json")

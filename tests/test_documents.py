@@ -1,4 +1,4 @@
-"""kvdemo.documents: good files of every kind and every bad upload of issue 7, with fixtures built here.
+"""kvdemo.documents: good files of every kind and every bad upload a user can make, with fixtures built here.
 
 PDFs are written by hand (a content stream per page, Helvetica), encrypted with pypdf's writer;
 docx files are written with python-docx; nothing binary is committed.

@@ -555,7 +555,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     rows = report["decode"]
     assert rows and all(r["triton_us"] > 0 and r["sdpa_us"] > 0 and r["speedup"] > 0 for r in rows)
     assert len(rows) == 6 and all(r["max_err_vs_reference"] < 2e-3 for r in rows)  # the stated bound
-    # issue 17's formats at the first point only (the goal point in a full run), read by the kernel itself
+    # the methods' formats at the first point only (the goal point in a full run), read by the kernel itself
     assert [(r["batch"], r["precision"]) for r in rows if r["format"] in ("nuq3:o1", "nvfp4")] == [
         (1, "nuq3:o1:g32:r32"),
         (1, "nvfp4:g32:r32"),
