@@ -580,11 +580,11 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert "measured_over_issue_floor" not in int4  # smoke times measure nothing
 
 
-def _gpu_bench():
-    """bench/gpu_attention.py as a module."""
+def _gpu_bench(name: str = "gpu_attention"):
+    """bench/<name>.py as a module (gpu_attention, or its long-context section gpu_long_context)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gpu_attention", ROOT / "bench" / "gpu_attention.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -658,12 +658,12 @@ def test_gpu_benchmark_long_context_smoke(tmp_path):
 def test_gpu_benchmark_long_context_budget(monkeypatch):
     """The long section's time budget: a row that runs past it is stopped and recorded, a row that would not
     fit is skipped with its estimate, the max row gets fewer layers when time is short."""
-    bench = _gpu_bench()
+    bench, long = _gpu_bench(), _gpu_bench("gpu_long_context")
     ref = {"tokens": 131072, "layers": 32, "prefill_s": 40.0, "past_attention_s": 30.0}
     # per layer at 1M: (30 s x 8^2 + 10 s x 8) / 32 = 62.5 s
-    assert bench.max_row_layers(ref, 1 << 20, 2, left_s=300, fixed_s=10) == (2, 135.0)
-    assert bench.max_row_layers(ref, 1 << 20, 2, left_s=100, fixed_s=10) == (1, 72.5)
-    assert bench.max_row_layers(ref, 1 << 20, 2, left_s=60, fixed_s=10) == (0, 72.5)
+    assert long.max_row_layers(ref, 1 << 20, 2, left_s=300, fixed_s=10) == (2, 135.0)
+    assert long.max_row_layers(ref, 1 << 20, 2, left_s=100, fixed_s=10) == (1, 72.5)
+    assert long.max_row_layers(ref, 1 << 20, 2, left_s=60, fixed_s=10) == (0, 72.5)
 
     class Worker:  # the int4 context row as measured above, the full one never answers
         def __init__(self):
@@ -682,9 +682,9 @@ def test_gpu_benchmark_long_context_budget(monkeypatch):
         def __exit__(self, *exc):
             return None
 
-    monkeypatch.setattr(bench, "LongWorker", Worker)
+    monkeypatch.setattr(long, "LongWorker", Worker)
     seen = []
-    rows = bench.bench_long(torch.device("cpu"), bench.parse_args(["--long-budget-s", "60"]), float("inf"), seen.append)
+    rows = long.bench_long(torch.device("cpu"), bench.parse_args(["--long-budget-s", "60"]), float("inf"), seen.append)
     assert len(seen) == 3 and seen[-1] is rows
     int4, full, longest = rows
     assert int4["prefill_s"] == 40.0 and int4["precision"] == "int4:g128:r128" and int4["tokens"] == 131072
@@ -692,8 +692,8 @@ def test_gpu_benchmark_long_context_budget(monkeypatch):
     assert longest["tokens"] == 1 << 20 and longest["skipped"].startswith("time budget: one layer estimated at 72 s")
     assert longest["estimated_s"] == 72.5 and longest["layers"] == 1
     # 40 s left after the int4 row: the full row (estimated as the int4 one, 41 s) is not started
-    _, full, _ = bench.bench_long(torch.device("cpu"), bench.parse_args(["--long-budget-s", "40"]), float("inf"))
+    _, full, _ = long.bench_long(torch.device("cpu"), bench.parse_args(["--long-budget-s", "40"]), float("inf"))
     assert full["skipped"].startswith("time budget: estimated 41 s as the row above")
     # the section also ends by the deadline it is given (device_check.sh: before its timeout)
-    rows = bench.bench_long(torch.device("cpu"), bench.parse_args([]), time.perf_counter() - 1)
+    rows = long.bench_long(torch.device("cpu"), bench.parse_args([]), time.perf_counter() - 1)
     assert all(r["skipped"] == "time budget: none left" for r in rows[:2])
