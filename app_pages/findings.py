@@ -1,44 +1,43 @@
 """Findings: each claim about KV-cache quantization with its verdict on the model, a figure and how it was
 measured. Opens on the report shipped for the embedded model (assets/reports/findings/); re-runs on the
 loaded model with progress and Cancel (KVDEMO_FINDINGS_QUICK_SIZES picks the quick sizes, "tiny" in the
-browser test; KVDEMO_FINDINGS_CACHE=0 measures again instead of reading the cache). The work is `kvdemo.findings`; figures `kvdemo.figures`; files
-`kvdemo.report`."""
+browser test; KVDEMO_FINDINGS_CACHE=0 measures again instead of reading the cache). The work is
+`kvdemo.findings` (run, verdicts, render: the HTML and PDF files); the report `kvdemo.results.findings`;
+figures `kvdemo.figures.findings`."""
 
 import os
-import tempfile
-import time
-from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import findings, ppl, report
+from kvdemo import ppl
 from kvdemo.configs import gpu_presets, model_configs
 from kvdemo.figures.findings import findings_figures
 from kvdemo.figures.ppl import ablation_frontier_figure
-from kvdemo.production import ENGINES
+from kvdemo.findings import render, run, verdicts
+from kvdemo.findings.text import FindingsError
+from kvdemo.results import findings as results
 
-VERDICT_ICONS = {True: ":material/check_circle:", False: ":material/cancel:", None: ":material/help:"}
 VERDICT_COLORS = {True: "green", False: "red", None: "gray"}
 
 st.title("Findings: what KV-cache quantization buys and costs, measured")
 
-shipped = findings.load()
-partial = st.session_state.get("findings_partial")
-if st.session_state.get("findings_cancel") and partial and partial["found"]["measurements"]:
-    # a re-run interrupted by Cancel: its finished measurements are kept and shown
-    st.session_state["findings_result"] = partial["found"] | {"stopped": "cancelled"}
-    st.session_state["findings_note"] = f"Cancelled: {partial['done']} of {partial['total']} measurements kept."
-    st.session_state.pop("findings_partial", None)
-
-found = st.session_state.get("findings_result") or shipped
+job = common.LongRun("findings", "Re-run on the loaded model", "Stops the run; the finished measurements are kept")
+shipped = results.load()
+cancelled = job.cancelled()
+if cancelled is not None:  # the last re-run was cancelled: what it finished is shown
+    found = results.kept_after_cancel(cancelled["meta"]["findings"], cancelled["rows"], cancelled["seconds"])
+    note = f"Cancelled: {len(cancelled['rows'])} of {cancelled['meta']['measurements']} measurements kept."
+else:
+    found = st.session_state.get("findings_result") or shipped
+    note = None if found is shipped else f"Re-run on {found.model}: {found.seconds:.0f} s."
 if found is None:
     st.info("No findings yet: press **Re-run on the loaded model** below (or `python -m kvdemo findings`).")
 
 # --- settings that re-read the numbers (no model work) -----------------------------------------------
 configs, gpus = model_configs(), gpu_presets()
-default = findings.DEFAULT_CONFIG
+default = results.DEFAULT_CONFIG
 c1, c2, c3, c4 = st.columns([2, 2, 1, 2])
 cfg_name = c1.selectbox(
     "Model config (capacity)", list(configs), index=list(configs).index(default["model_config"]), key="findings_config"
@@ -46,121 +45,82 @@ cfg_name = c1.selectbox(
 gpu_name = c2.selectbox("GPU", list(gpus), index=list(gpus).index(default["gpu"]), key="findings_gpu")
 n_gpus = c3.number_input("GPUs", 1, 16, default["gpus"], key="findings_gpus")
 context = c4.select_slider(
-    "Context per sequence",
-    [2048, 4096, 8192, 16384, 32768, 65536, 131072],
-    value=default["context"],
-    key="findings_context",
+    "Context per sequence", list(results.CONTEXTS), value=default["context"], key="findings_context"
 )
 budget = st.slider(
     "Quality budget (claim 7): NLL loss vs full precision, nats/token",
     0.0,
     0.2,
-    float(findings.THRESHOLDS["budget_nll_nats"]),
+    float(results.THRESHOLDS["budget_nll_nats"]),
     0.005,
     key="findings_budget",
     help="The cheapest precision whose held-out NLL loss is within this, and whose needle loss is within "
-    f"{findings.THRESHOLDS['needle_ok_nats']} nats",
+    f"{results.THRESHOLDS['needle_ok_nats']} nats",
 )
-config = {"model_config": cfg_name, "gpu": gpu_name, "gpus": int(n_gpus), "context": int(context)}
+config = results.capacity_config(cfg_name, gpu_name, int(n_gpus), int(context))
 
 # --- re-run ----------------------------------------------------------------------------------------------
 lm = common.model()
-c1, c2, c3 = st.columns([2, 1, 3])
-run = c1.button("Re-run on the loaded model", key="findings_run", type="primary")
-c2.button("Cancel", key="findings_cancel", help="Stops the run; the finished measurements are kept")
-quick = c3.toggle("Quick sizes (minutes; the full report takes ~30 min on 2 cores)", value=True, key="findings_quick")
+c1, c2 = st.columns([3, 3])
+clicked = job.buttons(c1)
+quick = c2.toggle("Quick sizes (minutes; the full report takes ~30 min on 2 cores)", value=True, key="findings_quick")
 
-if run:
-    status, bar_slot = st.empty(), st.empty()
-    st.session_state["findings_partial"] = {"found": {"measurements": {}}, "done": 0, "total": 0}
-
-    def work():
-        bar = bar_slot.progress(0.0, text="building the text and the exact states...")
-        start = time.perf_counter()
-
-        def progress(done: int, total: int, message: str) -> None:
-            st.session_state["findings_partial"].update(done=done, total=total)
-            bar.progress(done / max(total, 1), text=f"{done}/{total}: {message} ({time.perf_counter() - start:.0f} s)")
-
-        def keep(partial_found: dict) -> None:
-            st.session_state["findings_partial"]["found"] = partial_found
-
-        return findings.run_findings(
-            lm,
-            sizes=findings.SIZES[os.environ.get("KVDEMO_FINDINGS_QUICK_SIZES", "quick")] if quick else findings.FULL,
-            config=config,
-            on_progress=progress,
-            on_partial=keep,
-            use_cache=os.environ.get("KVDEMO_FINDINGS_CACHE", "1") != "0",
-        )
-
+if clicked:
+    sizes = run.SIZES[os.environ.get("KVDEMO_FINDINGS_QUICK_SIZES", "quick")] if quick else run.FULL
     try:
-        out = common.run_exclusive(lm, work, status)
-    finally:
-        bar_slot.empty()
-    st.session_state.pop("findings_partial", None)
+        the_plan = run.plan(lm, sizes=sizes, config=config)  # the texts and the empty report: tokenizer work only
+    except FindingsError as err:
+        st.error(str(err))
+        the_plan = None
+    out = None
+    if the_plan is not None:
+        meta = {"findings": the_plan.findings.to_json(), "measurements": len(the_plan.units)}
+        use_cache = os.environ.get("KVDEMO_FINDINGS_CACHE", "1") != "0"
+        out = job.run(lm, lambda on_progress: run.run_plan(lm, the_plan, on_progress, use_cache=use_cache), meta)
     if out is not None:
-        st.session_state["findings_result"] = out
-        st.session_state["findings_note"] = f"Re-run on {out['model']}: {out['seconds']:.0f} s."
-        found = out
+        st.session_state["findings_result"] = found = out
+        note = f"Re-run on {out.model}: {out.seconds:.0f} s."
 
-if st.session_state.get("findings_note") and found is not shipped:
-    st.info(st.session_state["findings_note"], icon=":material/info:")
+if note:
+    st.info(note, icon=":material/info:")
 if found is None:
     st.stop()
 
-claims = findings.evaluate(found, config, budget)
-view = dict(found) | {"claims": claims}
+view = verdicts.judged(found, config, budget)
 source = "the shipped report" if found is shipped else "this session's run"
-st.caption(f"{findings.caption(view)} Showing {source} ({found.get('created', '')}).")
-if found.get("weights_note"):
-    st.caption(found["weights_note"])
+st.caption(f"{verdicts.caption(view)} Showing {source} ({found.created}).")
+if found.weights_note:
+    st.caption(found.weights_note)
 
-st.dataframe(pd.DataFrame(report.verdict_rows(view)), hide_index=True, key="findings_table", width="stretch")
+st.dataframe(pd.DataFrame(render.verdict_rows(view)), hide_index=True, key="findings_table", width="stretch")
 
 c1, c2 = st.columns(2)
-c1.download_button("Download HTML report", report.render_html(view), "findings.html", "text/html", key="findings_html")
-pdf_file = findings.REPORT_DIR / "findings.pdf"
+c1.download_button("Download HTML report", render.render_html(view), "findings.html", "text/html", key="findings_html")
+pdf_file = results.REPORT_DIR / "findings.pdf"
 if found is shipped and pdf_file.is_file():
     c2.download_button(
         "Download PDF report", pdf_file.read_bytes(), "findings.pdf", "application/pdf", key="findings_pdf"
     )
 elif c2.button("Make the PDF (headless Chromium)", key="findings_make_pdf"):
-    with tempfile.TemporaryDirectory() as d:
-        html_path = Path(d) / "findings.html"
-        html_path.write_text(report.render_html(view), encoding="utf-8")
-        pdf = report.print_pdf(html_path, Path(d) / "findings.pdf")
-        if pdf is None:
-            c2.error("Chromium is not installed (make browser).")
-        else:
-            c2.download_button(
-                "Download PDF report", pdf.read_bytes(), "findings.pdf", "application/pdf", key="findings_pdf"
-            )
+    pdf = render.pdf_bytes(view)
+    if pdf is None:
+        c2.error("Chromium is not installed (make browser).")
+    else:
+        c2.download_button("Download PDF report", pdf, "findings.pdf", "application/pdf", key="findings_pdf")
 
-for c in claims:
-    st.header(c["title"], divider="gray")
-    st.markdown(f"*{c['claim']}*")
-    v = c["verdict"]
-    st.markdown(f"### :{VERDICT_COLORS[v['holds']]}[{v['word'].capitalize()}]")
-    st.markdown(v["text"])
-    for i, fig in enumerate(findings_figures(view, c["id"])):
-        st.plotly_chart(fig, key=f"findings_fig_{c['id']}_{i}")
-    if c["id"] == "tradeoff" and c["data"]["tradeoff"].get("production"):
-        prod = c["data"]["tradeoff"]["production"]
+for c in view.claims:
+    st.header(c.title, divider="gray")
+    st.markdown(f"*{c.claim}*")
+    st.markdown(f"### :{VERDICT_COLORS[c.verdict.holds]}[{c.verdict.word.capitalize()}]")
+    st.markdown(c.verdict.text)
+    for i, fig in enumerate(findings_figures(view, c.id)):
+        st.plotly_chart(fig, key=f"findings_fig_{c.id}_{i}")
+    production = c.data.get("tradeoff", {}).get("production") if c.id == "tradeoff" else None
+    if production:
         st.markdown("**Production settings of the pick**")
-        st.dataframe(
-            pd.DataFrame(
-                [
-                    {"engine": e, "setting": prod[e]["setting"], "match": prod[e]["match"]}
-                    for e in ENGINES
-                    if e in prod  # reports written before SGLang / TensorRT-LLM were mapped lack them
-                ]
-            ),
-            hide_index=True,
-            key="findings_production",
-        )
-    st.caption(f"How it was measured: {c['method']}")
-    st.page_link(c["page"], label="Explore this on its page", icon=":material/arrow_forward:")
+        st.dataframe(pd.DataFrame(results.production_rows(production)), hide_index=True, key="findings_production")
+    st.caption(f"How it was measured: {c.method}")
+    st.page_link(c.page, label="Explore this on its page", icon=":material/arrow_forward:")
 
 ablation = ppl.load_ablation()
 if ablation is not None:
@@ -179,7 +139,7 @@ if ablation is not None:
         st.dataframe(pd.DataFrame(ppl.ablation_cell_rows(ablation)), hide_index=True, key="findings_ablation_cells")
     st.caption(
         f"Measured with `{ablation['command']}` on {ablation['date']} (assets/reports/ablation.json), CPU, fp32; "
-        "README's 'The ablation, measured' has the reading."
+        "docs/methods.md's 'The ablation, measured' has the reading."
     )
     st.page_link(
         "app_pages/perplexity.py",
@@ -200,5 +160,5 @@ if split is not None:
     st.dataframe(pd.DataFrame(ppl.split_rows(split)), hide_index=True, key="findings_kv_split")
     st.caption(
         f"Measured with `{split['command']}` on {split['date']} (assets/reports/ppl_kv_split.json), CPU, fp32; "
-        "README's 'Keys or values: where the loss sits' has the reading."
+        "docs/methods.md's 'Keys or values: where the loss sits' has the reading."
     )

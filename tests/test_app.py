@@ -487,6 +487,42 @@ def test_cancel_keeps_the_complete_grid_and_shows_the_partial_one_beside_it(monk
     assert len(at.get("download_button")) == 4  # the complete grid's CSV/JSON and the partial one's
 
 
+def test_findings_cancel_shows_the_finished_measurements_then_a_finished_run_replaces_them(monkeypatch):
+    """Findings under `LongRun`: Cancel keeps what finished ("Cancelled: N of M measurements kept") and shows
+    its sections; the next finished run is shown instead."""
+    from kvdemo.findings import run
+    from kvdemo.progress import Progress
+    from kvdemo.results import findings as results
+
+    shipped = results.load()
+    planned = []
+
+    def full_then_cancel(lm, the_plan, on_progress=None, **kw):
+        planned.append(len(the_plan.units))
+        on_progress(
+            Progress(768, 9000, "tokens", "full measured in 1 s, 1 of 17 measurements", 0.05, shipped.run_of("full"))
+        )
+        raise StopException()  # what Streamlit raises in the script when the user's Cancel click reruns it
+
+    monkeypatch.setattr(run, "run_plan", full_then_cancel)
+    at = start("app_pages/findings.py")
+    at.button(key="findings_run").click().run()
+    at.button(key="findings_cancel").click().run()
+    assert not at.exception, at.exception
+    assert [i.value for i in at.info] == [f"Cancelled: 1 of {planned[0]} measurements kept."]
+    assert planned[0] > 10  # every claim's precisions and the weight x KV grid
+    assert [h.value for h in at.header][:7] == [c.title for c in shipped.claims]  # the sections of what finished
+    (table,) = [d.value for d in at.dataframe if {"verdict", "numbers"} <= set(d.value.columns)]
+    assert table["verdict"].iloc[2] == "not measured"  # keys vs values: only full precision finished
+    assert any("1 precisions measured" in c.value for c in at.caption)
+
+    monkeypatch.setattr(run, "run_plan", lambda lm, the_plan, on_progress=None, **kw: shipped)
+    at.button(key="findings_run").click().run()
+    assert not at.exception, at.exception
+    assert [i.value for i in at.info] == [f"Re-run on {shipped.model}: {shipped.seconds:.0f} s."]
+    assert at.session_state["findings_result"] == shipped and "findings_cancelled" not in at.session_state
+
+
 def test_perplexity_page_scores_held_out_prose_then_the_users_document():
     """The Perplexity page runs kvdemo.ppl.run_ppl on what it names: the held-out prose, then the uploaded
     document (a document too short to score says so and leaves the page serving)."""

@@ -333,7 +333,8 @@ def test_findings_quick_rerun_and_cancel(server, page):
     page.locator(".js-plotly-plot").first.wait_for(timeout=MODEL_WORK_S * 1000)
     no_exception(page)
     page.get_by_role("button", name="Re-run on the loaded model").click()
-    page.get_by_text(re.compile(r"^1/\d+: ")).first.wait_for(timeout=MODEL_WORK_S * 1000)  # one measurement done
+    one_done = re.compile(r"tokens: .*\b1 of \d+ measurements")  # the progress bar after one measurement
+    page.get_by_text(one_done).first.wait_for(timeout=MODEL_WORK_S * 1000)
     page.get_by_role("button", name="Cancel").click()
     page.get_by_text(re.compile(r"Cancelled: \d+ of \d+ measurements kept")).first.wait_for(timeout=MODEL_WORK_S * 1000)
     idle(page)

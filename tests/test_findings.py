@@ -1,7 +1,8 @@
 """Findings: verdicts computed from the numbers (they flip when the numbers do; no verdict text is a literal),
-a tiny run on the embedded model (and its cache), the shipped report, the HTML offline in headless
-Chromium with zero network requests, the PDF's pages, the CLI, the page under AppTest, and custom needles
-scored after their own lead-in."""
+a tiny run on the embedded model (its cache, its progress in tokens, Cancel keeping what finished), the
+shipped report (its JSON through the dataclass unchanged), the HTML offline in headless Chromium with zero
+network requests, the PDF's pages, the CLI, the page under AppTest, and custom needles scored after their
+own lead-in."""
 
 from __future__ import annotations
 
@@ -9,12 +10,18 @@ import copy
 import json
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from kvdemo import findings, layout, needle, ppl, report
+from kvdemo import layout, needle, ppl
+from kvdemo.findings import render, run, verdicts
+from kvdemo.precision import parse_precision
+from kvdemo.progress import Cancelled
+from kvdemo.results import findings as results
+from kvdemo.results.findings import Findings, Measurement, NeedleAnswer, Window
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -23,32 +30,35 @@ LENGTHS = [512, 1024, 2000]
 INFO = {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "float32", "max_context": 8192}
 
 
-def _run(label: str, nll: list[float], needle_lp: list[float], kl: float = 0.0) -> dict:
+def _run(label: str, nll: list[float], needle_lp: list[float], kl: float = 0.0, weights: str = "loaded") -> Measurement:
     """A measurement as `measure_spec` returns it, with its cache bytes from the layout formula."""
-    regions = layout.Layout(findings.parse_precision(label)).regions([2048])
+    spec = parse_precision(label)
+    regions = layout.Layout(spec).regions([2048])
     nbytes = layout.region_bytes(regions, 30, 3, 64, label, 32)["total"]
-    return {
-        "precision": label,
-        "windows": [{"start": s, "tokens": 64, "nll": v, "kl": kl} for s, v in zip(WINDOWS, nll, strict=True)],
-        "needles": [
-            {"length": n, "tokens": n, "key": k, "distance": n - 80, "logprob": lp, "found": lp > -1}
+    return Measurement(
+        precision=label,
+        spec=spec.to_dict(),
+        windows=[Window(s, 64, v, kl) for s, v in zip(WINDOWS, nll, strict=True)],
+        needles=[
+            NeedleAnswer(length=n, tokens=n, key=k, distance=n - 80, logprob=lp, found=lp > -1)
             for n, lp in zip(LENGTHS, needle_lp, strict=True)
             for k in ("a", "b")
         ],
-        "cache_bytes": nbytes,
-        "cache_tokens": 2048,
-        "updates": [2048],
-        "seconds": 1.0,
-    }
+        cache_bytes=nbytes,
+        cache_tokens=2048,
+        updates=[2048],
+        seconds=1.0,
+        weights=weights,
+    )
 
 
-def fake(loss: dict[str, tuple[float, float]] | None = None) -> dict:
-    """A findings dict of every default precision: loss[label] = (NLL delta up to 512 tokens, at the end);
+def fake(loss: dict[str, tuple[float, float]] | None = None) -> Findings:
+    """A findings report of every default precision: loss[label] = (NLL delta up to 512 tokens, at the end);
     the needle loss follows the same shape (x 10 nats); KL = mean NLL delta."""
     loss = loss or {}
     base_nll, base_lp = [3.0, 2.9, 2.8, 2.8], [-0.2, -0.3, -0.4]
     runs = {}
-    for label in findings.default_precisions():
+    for label in verdicts.default_precisions():
         a, b = (0.0, 0.0) if label == "full" else loss.get(label, (0.001, 0.002))
         ramp = [a, a, (a + b) / 2, b]  # the first two windows end by 512 tokens: the short end
         lp_ramp = [-10 * x for x in (a, (a + b) / 2, b)]
@@ -59,131 +69,166 @@ def fake(loss: dict[str, tuple[float, float]] | None = None) -> dict:
             kl=sum(ramp) / 4,
         )
     stack = {}
-    for kv in findings.STACK_KV:
+    for kv in verdicts.STACK_KV:
         a, b = (0.0, 0.0) if kv == "full" else loss.get(kv, (0.001, 0.002))
-        stack[kv] = _run(kv, [x + 0.02 + a for x in base_nll], [x - 0.5 for x in base_lp])
-        stack[kv]["windows"] = stack[kv]["windows"][:2]
-    found = {
-        "version": findings.CODE_VERSION,
-        "model": "fake",
-        "model_info": INFO,
-        "embedded": True,
-        "sizes": findings.MEDIUM.to_dict(),
-        "precisions": findings.default_precisions(),
-        "thresholds": dict(findings.THRESHOLDS),
-        "config": dict(findings.DEFAULT_CONFIG),
-        "text": {"stack_prompts": [{"length": 512}, {"length": 1024}]},
-        "measurements": {"loaded:main": runs, "int8:stack": stack},
-        "seconds": 1.0,
-        "stopped": "done",
-    }
-    found["claims"] = findings.evaluate(found)
+        stack[kv] = _run(kv, [x + 0.02 + a for x in base_nll], [x - 0.5 for x in base_lp], weights="int8")
+        stack[kv].windows = stack[kv].windows[:2]
+    found = Findings(
+        model="fake",
+        model_info=INFO,
+        sizes=run.MEDIUM,
+        precisions=verdicts.default_precisions(),
+        measurements={"loaded:main": runs, "int8:stack": stack},
+        version="findings-1",
+        embedded=True,
+        text={"stack_prompts": [{"length": 512}, {"length": 1024}]},
+        seconds=1.0,
+        stopped="done",
+    )
+    found.claims = verdicts.evaluate(found)
     return found
 
 
-def verdicts(found: dict) -> dict[str, dict]:
-    return {c["id"]: c["verdict"] for c in findings.evaluate(found)}
+def judge(found: Findings) -> dict[str, results.Verdict]:
+    return {c.id: c.verdict for c in verdicts.evaluate(found)}
 
 
 # --- verdicts come from the numbers ---------------------------------------------------------------------
 
 
 def test_key_value_verdict_flips_with_the_numbers():
-    keys_worse = verdicts(fake({"k4v8": (0.05, 0.1), "k8v4": (0.001, 0.002)}))["keys"]
-    values_worse = verdicts(fake({"k4v8": (0.001, 0.002), "k8v4": (0.05, 0.1)}))["keys"]
-    assert keys_worse["holds"] is True and values_worse["holds"] is False
-    assert keys_worse["word"] == "holds" and values_worse["word"] == "does not hold"
-    assert keys_worse["text"] != values_worse["text"]
+    keys_worse = judge(fake({"k4v8": (0.05, 0.1), "k8v4": (0.001, 0.002)}))["keys"]
+    values_worse = judge(fake({"k4v8": (0.001, 0.002), "k8v4": (0.05, 0.1)}))["keys"]
+    assert keys_worse.holds is True and values_worse.holds is False
+    assert keys_worse.word == "holds" and values_worse.word == "does not hold"
+    assert keys_worse.text != values_worse.text
 
 
 def test_long_range_verdict_flips_with_the_numbers():
-    grows = verdicts(fake({"int4": (0.001, 0.2)}))["long_range"]
-    flat = verdicts(fake({p: (0.001, 0.002) for p in findings.default_precisions()}))["long_range"]
-    assert grows["holds"] is True and "int4" in grows["text"]
-    assert flat["holds"] is False
+    grows = judge(fake({"int4": (0.001, 0.2)}))["long_range"]
+    flat = judge(fake({p: (0.001, 0.002) for p in verdicts.default_precisions()}))["long_range"]
+    assert grows.holds is True and "int4" in grows.text
+    assert flat.holds is False
 
 
 def test_axis_sinks_and_tradeoff_follow_the_numbers():
     good = fake({"int4:ktoken": (0.05, 0.05), "int2:ktoken": (0.5, 0.5), "int2": (0.3, 0.3), "int2:s4": (0.1, 0.1)})
     bad = fake({"int4": (0.05, 0.05), "int2": (0.5, 0.5), "int2:ktoken": (0.3, 0.3), "int2:s4": (0.5, 0.5)})
-    assert verdicts(good)["axis"]["holds"] is True and verdicts(bad)["axis"]["holds"] is False
-    assert verdicts(good)["sinks"]["holds"] is False  # sinks help, the residual pair is equal: not both
-    assert verdicts(bad)["sinks"]["holds"] is False
-    tight = findings.tradeoff(good, budget=0.0)
-    loose = findings.tradeoff(good, budget=1.0)
+    assert judge(good)["axis"].holds is True and judge(bad)["axis"].holds is False
+    assert judge(good)["sinks"].holds is False  # sinks help, the residual pair is equal: not both
+    assert judge(bad)["sinks"].holds is False
+    tight = results.tradeoff(good, budget=0.0)
+    loose = results.tradeoff(good, budget=1.0)
     assert tight["pick"]["precision"] == "full"
-    ok = [p for p in loose["points"] if p["needle_delta"] >= -findings.THRESHOLDS["needle_ok_nats"]]
+    ok = [p for p in loose["points"] if p["needle_delta"] >= -results.THRESHOLDS["needle_ok_nats"]]
     assert loose["pick"]["multiplier"] == max(p["multiplier"] for p in ok)  # the needle threshold holds too
     assert any(p["pareto"] for p in loose["points"])
     assert {"vllm", "llama.cpp", "transformers"} <= set(loose["production"])
+    rows = results.production_rows(loose["production"])
+    assert [r["engine"] for r in rows][:2] == ["vllm", "sglang"] and all(r["setting"] for r in rows)
 
 
 def test_no_verdict_text_is_a_literal():
     """Every measured claim's text changes when its numbers change."""
-    a = verdicts(fake({p: (0.01, 0.03) for p in findings.default_precisions()}))
-    b = verdicts(fake({p: (0.02, 0.09) for p in findings.default_precisions()}))
+    a = judge(fake({p: (0.01, 0.03) for p in verdicts.default_precisions()}))
+    b = judge(fake({p: (0.02, 0.09) for p in verdicts.default_precisions()}))
     for claim in ("long_range", "keys", "axis", "sinks", "stacking"):
-        assert a[claim]["text"] != b[claim]["text"], claim
-    small = verdicts(fake({p: (0.001, 0.003) for p in findings.default_precisions()}))["tradeoff"]
-    smaller = verdicts(fake({p: (0.0005, 0.001) for p in findings.default_precisions()}))["tradeoff"]
-    assert small["text"] != smaller["text"]
-    cap_a = findings.evaluate(fake(), config={"context": 8192})[0]["verdict"]["text"]
-    cap_b = findings.evaluate(fake(), config={"context": 65536})[0]["verdict"]["text"]
+        assert a[claim].text != b[claim].text, claim
+    small = judge(fake({p: (0.001, 0.003) for p in verdicts.default_precisions()}))["tradeoff"]
+    smaller = judge(fake({p: (0.0005, 0.001) for p in verdicts.default_precisions()}))["tradeoff"]
+    assert small.text != smaller.text
+    cap_a = verdicts.evaluate(fake(), config={"context": 8192})[0].verdict.text
+    cap_b = verdicts.evaluate(fake(), config={"context": 65536})[0].verdict.text
     assert cap_a != cap_b
 
 
 def test_thresholds_are_read_from_the_findings():
     found = fake({"k4v8": (0.004, 0.004), "k8v4": (0.001, 0.001)})
-    assert verdicts(found)["keys"]["holds"] is True
-    found["thresholds"] = found["thresholds"] | {"noise_nll_nats": 0.1, "noise_kl_nats": 0.1, "noise_needle_nats": 9}
-    assert verdicts(found)["keys"]["holds"] is False
+    assert judge(found)["keys"].holds is True
+    found.thresholds = found.thresholds | {"noise_nll_nats": 0.1, "noise_kl_nats": 0.1, "noise_needle_nats": 9}
+    assert judge(found)["keys"].holds is False
 
 
 def test_capacity_uses_the_headroom_code_and_the_live_bytes():
-    v = findings.verdict_capacity(fake())
-    cap = v["capacity"]
-    assert v["holds"] is True and cap["multiplier"]["full"] == 1.0
+    verdict, data = verdicts.verdict_capacity(fake())
+    cap = data["capacity"]
+    assert verdict.holds is True and cap["multiplier"]["full"] == 1.0
     assert cap["multiplier"]["int4"] > cap["multiplier"]["int8"] > 1.0
     assert all(abs(r["error_vs_formula"]) < 1e-9 for r in cap["live"])
     found = fake()
-    found["measurements"]["loaded:main"]["int4"]["cache_bytes"] *= 1.5  # the cache holds more than the formula says
-    assert findings.verdict_capacity(found)["holds"] is False
+    found.run_of("int4").cache_bytes *= 1.5  # the cache holds more than the formula says
+    assert verdicts.verdict_capacity(found)[0].holds is False
+
+
+def test_the_tradeoff_figure_follows_the_budget_the_claim_was_judged_with():
+    found = fake({p: (0.004, 0.008) for p in verdicts.default_precisions()})
+    loose, tight = (verdicts.judged(found, budget=b) for b in (1.0, 0.0))
+    from kvdemo.figures.findings import findings_tradeoff_figure
+
+    lines = [[s["y0"] for s in findings_tradeoff_figure(f).to_dict()["layout"]["shapes"]] for f in (loose, tight)]
+    assert lines == [[1.0], [0.0]]
 
 
 def test_shipped_report_verdict_flips_when_its_numbers_change():
-    shipped = findings.load()
+    shipped = results.load()
     if shipped is None:
         pytest.skip("no shipped report yet")
-    found = json.loads(json.dumps(shipped))
-    runs = found["measurements"]["loaded:main"]
+    found = Findings.from_json(shipped.to_json())
+    runs = found.runs()
     full = runs["full"]
     for label, extra in (("k4v8", 1.0), ("k8v4", 0.0)):
-        runs[label]["windows"] = [w | {"nll": w["nll"] + extra, "kl": extra} for w in full["windows"]]
-        runs[label]["needles"] = [n | {"logprob": n["logprob"] - 10 * extra} for n in full["needles"]]
-    assert verdicts(found)["keys"]["holds"] is True
+        runs[label].windows = [replace(w, nll=w.nll + extra, kl=extra) for w in full.windows]
+        runs[label].needles = [replace(n, logprob=n.logprob - 10 * extra) for n in full.needles]
+    assert judge(found)["keys"].holds is True
     runs["k4v8"], runs["k8v4"] = runs["k8v4"], runs["k4v8"]
-    assert verdicts(found)["keys"]["holds"] is False
+    assert judge(found)["keys"].holds is False
 
 
 def test_shipped_report_is_complete():
-    shipped = findings.load()
+    shipped = results.load()
     if shipped is None:
         pytest.skip("no shipped report yet")
-    assert [c["id"] for c in shipped["claims"]] == [c["id"] for c in findings.CLAIMS]
-    grid = findings.stacking_grid(shipped)
+    assert [c.id for c in shipped.claims] == [c.id for c in verdicts.CLAIMS]
+    grid = verdicts.stacking_grid(shipped)
     weights = {r["weights"] for r in grid if r["nll_delta"] is not None}
     kvs = {r["kv"] for r in grid if r["nll_delta"] is not None}
     assert len(weights) >= 2 and len(kvs) >= 4
     for name in ("findings.json", "findings.html"):
-        assert (findings.REPORT_DIR / name).is_file()
+        assert (results.REPORT_DIR / name).is_file()
+
+
+def test_shipped_report_round_trips_through_its_dataclass_unchanged():
+    """findings.json -> Findings -> JSON gives the file's JSON back, key for key (order included)."""
+    written = json.loads((results.REPORT_DIR / "findings.json").read_text(encoding="utf-8"))
+    again = Findings.from_json(written).to_json()
+    assert again == written
+    assert json.dumps(again) == json.dumps(written)  # the same order of keys
+    assert isinstance(Findings.from_json(written).run_of("int4").windows[0], Window)
+
+
+def test_a_report_saved_loads_back_equal(tmp_path):
+    found = fake()
+    again = results.load(results.save(found, tmp_path))
+    assert again.to_json() == found.to_json()
+    assert [c.verdict for c in again.claims] == [c.verdict for c in found.claims]
+
+
+def test_a_cancelled_run_keeps_its_finished_measurements():
+    found = fake()
+    skeleton = replace(found, measurements={}, claims=[]).to_json()
+    rows = [found.run_of("full").to_json(), found.run_of("int8", "int8").to_json()]
+    kept = results.kept_after_cancel(skeleton, rows, 12.5)
+    assert kept.stopped == "cancelled" and kept.seconds == 12.5
+    assert list(kept.measurements) == ["loaded:main", "int8:stack"]
+    assert kept.run_of("int8", "int8") == found.run_of("int8", "int8")
 
 
 def test_docs_verdict_table_matches_the_shipped_report():
-    shipped = findings.load()
+    shipped = results.load()
     if shipped is None:
         pytest.skip("no shipped report yet")
     page = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
-    for row in report.verdict_rows(shipped):
+    for row in render.verdict_rows(shipped):
         assert f"| {row['claim']} | {row['verdict']} | {row['numbers']} |" in page, row["claim"]
 
 
@@ -191,8 +236,8 @@ def test_docs_verdict_table_matches_the_shipped_report():
 
 
 def test_html_is_standalone():
-    html = report.render_html(fake())
-    assert html.count("<section") == len(findings.CLAIMS)
+    html = render.render_html(fake())
+    assert html.count("<section") == len(verdicts.CLAIMS)
     assert "Plotly.newPlot" in html
     assert not re.search(r"<(script|link|img)[^>]+(src|href)=[\"']?https?:", html)  # nothing loaded from a network
 
@@ -202,7 +247,7 @@ def test_html_opens_offline_with_zero_network_requests(tmp_path):
     from playwright.sync_api import sync_playwright
 
     page_file = tmp_path / "findings.html"
-    page_file.write_text(report.render_html(fake()), encoding="utf-8")
+    page_file.write_text(render.render_html(fake()), encoding="utf-8")
     url = page_file.as_uri()
     requests = []
     with sync_playwright() as p:
@@ -217,7 +262,7 @@ def test_html_opens_offline_with_zero_network_requests(tmp_path):
             plots = page.locator(".js-plotly-plot").count()
         finally:
             browser.close()
-    assert plots >= len(findings.CLAIMS)
+    assert plots >= len(verdicts.CLAIMS)
     assert [r for r in requests if r != url] == []
 
 
@@ -225,12 +270,12 @@ def test_html_opens_offline_with_zero_network_requests(tmp_path):
 def test_pdf_has_a_page_or_more_per_claim(tmp_path):
     from pypdf import PdfReader
 
-    if report.chromium() is None:
+    if render.chromium() is None:
         pytest.skip("no chromium")
-    files = report.write_report(fake(), tmp_path)
+    files = render.write_report(fake(), tmp_path)
     pages = len(PdfReader(files["pdf"]).pages)
-    assert pages >= len(findings.CLAIMS) + 1  # the verdict table, then each claim from a new page
-    for name in report.README_FIGURES:  # docs/findings.md's figures come from the same command
+    assert pages >= len(verdicts.CLAIMS) + 1  # the verdict table, then each claim from a new page
+    for name in render.DOC_FIGURES:  # docs/findings.md's figures come from the same command
         png = Path(files[name]).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
 
@@ -242,9 +287,24 @@ def test_cli_parser_has_findings():
         ["findings", "--quick", "--out", "x", "--precision", "int4,k8v4", "--shard", "1/2"]
     )
     assert args.quick and args.out == "x" and args.precision == "int4,k8v4"
-    assert findings.parse_shard(args.shard) == (1, 2)
+    assert run.parse_shard(args.shard) == (1, 2)
     with pytest.raises(ValueError, match="0 <= k < N"):
-        findings.parse_shard("2/2")
+        run.parse_shard("2/2")
+
+
+def test_cli_text_reads_the_claims():
+    from kvdemo.cli.findings import format_text
+
+    text = format_text(fake().to_json() | {"files": {"json": "out/findings.json"}})
+    assert "3. Keys are more sensitive than values: " in text and text.endswith("written: out/findings.json")
+
+
+def test_units_run_full_precision_first_and_the_grid_last():
+    todo = run.units(["int4", "k8v4"], run.MEDIUM)
+    assert todo[0] == run.Unit("loaded", "full", "main")
+    assert {u.text for u in todo if u.weights == "loaded"} == {"main"}
+    assert [u.precision for u in todo if u.weights == "int8"] == list(verdicts.STACK_KV)
+    assert {u.precision for u in todo} >= set(verdicts.claim_precisions())
 
 
 # --- custom needles: scored after their own lead-in -----------------------------------------------------------
@@ -260,39 +320,51 @@ def test_custom_needle_answer_follows_its_lead_in():
 
 # --- on the embedded model ---------------------------------------------------------------------------------
 
-TINY = findings.TINY
+TINY = run.TINY
 
 
 @pytest.mark.model
 def test_tiny_run_measures_and_reuses_its_cache(lm, tmp_path, monkeypatch):
     monkeypatch.setattr("kvdemo.configs.cache_dir", lambda: tmp_path)
-    messages = []
+    seen = []
 
-    def run():
-        return findings.run_findings(
-            lm, ["full", "int2"], sizes=TINY, claims=False, on_progress=lambda d, t, m: messages.append(m)
-        )
+    def measure():
+        return run.run_findings(lm, ["full", "int2"], sizes=TINY, claims=False, on_progress=seen.append)
 
-    first = run()
-    assert first["stopped"] == "done" and set(first["measurements"]["loaded:main"]) == {"full", "int2"}
-    full, int2 = (first["measurements"]["loaded:main"][p] for p in ("full", "int2"))
-    assert [w["start"] for w in full["windows"]] == [32, 256] and len(full["needles"]) == 4
-    assert all(0 < w["nll"] < 20 for w in full["windows"]) and all(n["logprob"] <= 0 for n in full["needles"])
-    assert all(w["kl"] >= 0 for w in int2["windows"]) and int2["cache_bytes"] < full["cache_bytes"]
-    assert any(m.startswith("measuring") for m in messages)
-    messages.clear()
-    again = run()
-    assert not any(m.startswith("measuring") for m in messages)  # every measurement came from the cache
-    assert again["measurements"] == first["measurements"]
-    cancelled = findings.run_findings(lm, ["full", "int4"], sizes=TINY, claims=False, should_stop=lambda: True)
-    assert cancelled["stopped"] == "cancelled" and cancelled["measurements"] == {}
+    first = measure()
+    assert first.stopped == "done" and set(first.runs()) == {"full", "int2"}
+    full, int2 = first.run_of("full"), first.run_of("int2")
+    assert [w.start for w in full.windows] == [32, 256] and len(full.needles) == 4
+    assert all(0 < w.nll < 20 for w in full.windows) and all(n.logprob <= 0 for n in full.needles)
+    assert all(w.kl >= 0 for w in int2.windows) and int2.cache_bytes < full.cache_bytes
+    assert any(p.what.startswith("measuring") for p in seen)
+    assert seen[-1].unit == "tokens" and seen[-1].done == seen[-1].total == 2 * full.cache_tokens
+    assert [p.row for p in seen if p.row is not None] == [full, int2]  # each finished measurement, as its row
+    assert seen[-1].what.endswith(", 2 of 2 measurements")
+    seen.clear()
+    again = measure()
+    assert not any(p.what.startswith("measuring") for p in seen)  # every measurement came from the cache
+    assert seen[-1].total == 0  # nothing left to measure: no time to wait for
+    assert again.measurements == first.measurements
+    with pytest.raises(Cancelled) as stopped:
+        run.run_findings(lm, ["full", "int4"], sizes=TINY, claims=False, should_stop=lambda: True)
+    assert stopped.value.partial == []
+    calls = []
+
+    def after_full() -> bool:  # stop once the full-precision run has been read from the cache
+        calls.append(1)
+        return len(calls) > 1
+
+    with pytest.raises(Cancelled) as stopped:
+        run.run_findings(lm, ["full", "int4"], sizes=TINY, claims=False, should_stop=after_full)
+    assert stopped.value.partial == [full]
 
 
 @pytest.mark.model
 def test_findings_page_renders_the_shipped_report():
     from streamlit.testing.v1 import AppTest
 
-    if findings.load() is None:
+    if results.load() is None:
         pytest.skip("no shipped report yet")
     at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
     at.run()
@@ -302,9 +374,9 @@ def test_findings_page_renders_the_shipped_report():
     headers = [h.value for h in at.header]
     split = ppl.load_kv_split()
     methods = ["KVQuant's methods at 4, 3 and 2 bits"] + (["Keys or values: where the loss sits"] if split else [])
-    assert headers == [c["title"] for c in findings.CLAIMS] + methods
+    assert headers == [c.title for c in verdicts.CLAIMS] + methods
     table = _verdict_table(at)  # AppTest finds no dataframe by key: by its columns
-    assert list(table["verdict"]) == [c["verdict"]["word"] for c in findings.evaluate(findings.load())]
+    assert list(table["verdict"]) == [c.verdict.word for c in verdicts.evaluate(results.load())]
     ablation = ppl.load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
     (claims,) = [d.value for d in at.dataframe if "over resampled text" in d.value.columns]
     assert list(claims["over resampled text"]) == [c["verdict"] for c in ablation["checks"]]
@@ -333,9 +405,9 @@ def _verdict_table(at):
     return table
 
 
-def test_shipped_json_round_trips_through_evaluate():
-    shipped = findings.load()
+def test_shipped_verdicts_come_back_when_judged_again():
+    shipped = results.load()
     if shipped is None:
         pytest.skip("no shipped report yet")
-    again = findings.evaluate(copy.deepcopy(shipped))
-    assert [c["verdict"] for c in again] == [c["verdict"] for c in shipped["claims"]]
+    again = verdicts.evaluate(copy.deepcopy(shipped))
+    assert [c.verdict for c in again] == [c.verdict for c in shipped.claims]

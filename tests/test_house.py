@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvdemo.bench",
         ),
     ),
-    ("findings", ("kvdemo.findings", "kvdemo.report")),
+    ("findings", ("kvdemo.findings",)),
     ("cli", ("kvdemo.cli", "kvdemo.__main__")),
 ]
 

@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=_positive_int, default=None, help="capacity: tokens per sequence (default 32768)")
     p.add_argument("--no-pdf", action="store_true", help="skip the Chromium-printed PDF")
     p.add_argument("--no-cache", action="store_true", help="measure everything again (ignore cached results)")
-    p.add_argument("--sizes", default="full", choices=["full", "medium", "quick"], help="kvdemo.findings.SIZES")
+    p.add_argument("--sizes", default="full", choices=["full", "medium", "quick"], help="kvdemo.findings.run.SIZES")
     p.add_argument("--tokens", type=_positive_int, default=None, help="text length (default: the model's context)")
     p.add_argument("--shard", default="0/1", help="k/N: measure every N-th unit (parallel processes, one cache)")
     p.add_argument("--reverse", action="store_true", help="take the shard's units from the last (a second process)")

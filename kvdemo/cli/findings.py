@@ -1,35 +1,26 @@
-"""`python -m kvdemo findings`: every claim measured on the model (kvdemo.findings.run_findings), written as
-findings.json, findings.html and findings.pdf (kvdemo.report), with progress on stderr."""
+"""`python -m kvdemo findings`: every claim measured on the model (kvdemo.findings.run), written as
+findings.json, findings.html and findings.pdf (kvdemo.findings.render), with progress on stderr."""
 
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import replace
 
-from ..findings import DEFAULT_CONFIG, QUICK, SIZES, parse_shard, run_findings
+from ..findings.render import write_report
+from ..findings.run import QUICK, SIZES, parse_shard, plan, run_plan
 from ..precision import parse_precision_list
-from ..report import write_report
+from ..progress import Progress
+from ..results.findings import Claim, capacity_config
 
 
 def run_cli(args) -> dict:
-    """`python -m kvdemo findings [--model M] [--precision LIST] [--quick] --out DIR`: the findings dict,
-    written to DIR after every measurement (a stopped run keeps what finished)."""
+    """`python -m kvdemo findings [--model M] [--precision LIST] [--quick] --out DIR`: the report's JSON and
+    the files written ("files"). Without --shard the report is written to DIR after every measurement (a
+    stopped run keeps what finished); a shard's measurements go to the cache only."""
     from ..models import load_model
 
     precisions = [s.label for s in parse_precision_list(args.precision)] if args.precision else None
-    config = {
-        "model_config": args.model_config or DEFAULT_CONFIG["model_config"],
-        "gpu": args.gpu or DEFAULT_CONFIG["gpu"],
-        "gpus": args.gpus or DEFAULT_CONFIG["gpus"],
-        "context": args.context or DEFAULT_CONFIG["context"],
-    }
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    start = time.perf_counter()
-
-    def progress(done: int, total: int, message: str) -> None:
-        print(f"[{time.perf_counter() - start:7.1f} s] {done}/{total} {message}", file=sys.stderr, flush=True)
-
+    config = capacity_config(args.model_config, args.gpu, args.gpus, args.context)
     sizes = QUICK if args.quick else SIZES[args.sizes]
     if args.tokens:
         sizes = replace(
@@ -37,29 +28,36 @@ def run_cli(args) -> dict:
             tokens=args.tokens,
             needle_lengths=tuple(n for n in sizes.needle_lengths if n < args.tokens) + (args.tokens - 96,),
         )
-    found = run_findings(
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    shard = parse_shard(args.shard)
+    the_plan = plan(lm, precisions, sizes, config, quick=args.quick)
+    so_far = replace(the_plan.findings, measurements={})
+
+    def progress(p: Progress) -> None:
+        print(p.text(), file=sys.stderr, flush=True)
+        if p.row is not None and shard == (0, 1):
+            so_far.add(p.row)
+            so_far.seconds = round(p.elapsed_s, 1)
+            write_report(so_far, args.out, pdf=False)
+
+    found = run_plan(
         lm,
-        precisions,
-        quick=args.quick,
-        sizes=sizes,
-        shard=parse_shard(args.shard),
+        the_plan,
+        on_progress=progress,
+        use_cache=not args.no_cache,
+        shard=shard,
         reverse=args.reverse,
         cached_only=args.from_cache,
-        config=config,
-        on_progress=progress,
-        on_partial=(lambda f: write_report(f, args.out, pdf=False)) if args.shard == "0/1" else None,
-        use_cache=not args.no_cache,
     )
-    if args.shard != "0/1":  # a shard's results are in the cache; a run without --shard writes the report
-        return {k: found[k] for k in ("model", "seconds", "stopped")} | {"claims": [], "files": {}}
-    found["files"] = write_report(found, args.out, pdf=not args.no_pdf)
-    return found
+    if shard != (0, 1):  # a shard's results are in the cache; a run without --shard writes the report
+        return {"model": found.model, "seconds": found.seconds, "stopped": found.stopped, "claims": [], "files": {}}
+    return found.to_json() | {"files": write_report(found, args.out, pdf=not args.no_pdf)}
 
 
 def format_text(out: dict) -> str:
     lines = [f"model: {out['model']}  ({out['seconds']:.0f} s, {out['stopped']})", ""]
-    for c in out["claims"]:
-        lines.append(f"{c['title']}: {c['verdict']['word']}\n    {c['verdict']['text']}")
+    for c in (Claim.from_json(c) for c in out["claims"]):
+        lines.append(f"{c.title}: {c.verdict.word}\n    {c.verdict.text}")
     if out.get("files"):
         lines.append("\nwritten: " + ", ".join(out["files"].values()))
     return "\n".join(lines)

@@ -1,9 +1,10 @@
-"""Findings: one figure set per claim, large fonts for a projector."""
+"""Findings: one figure set per claim, large fonts for a projector. Each figure reads a `Findings` report:
+the numbers its claim's verdict read (`Claim.data`), or the deltas of `kvdemo.results.findings`."""
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..results.findings import needle_deltas, tradeoff, window_deltas
+from ..results.findings import Findings, needle_deltas, tradeoff, window_deltas
 from . import set_title
 
 _FINDINGS_FONT = {"size": 16}
@@ -14,13 +15,15 @@ def _findings_layout(fig: go.Figure, title: str, **layout) -> go.Figure:
     return fig
 
 
-def _claim(found: dict, claim_id: str) -> dict:
-    return next((c for c in found.get("claims", []) if c["id"] == claim_id), {"data": {}})
+def _data(found: Findings, claim_id: str) -> dict:
+    """The numbers a claim's verdict read ({} when the claim was not judged)."""
+    claim = found.claim(claim_id)
+    return claim.data if claim is not None else {}
 
 
-def findings_capacity_figure(found: dict) -> go.Figure:
+def findings_capacity_figure(found: Findings) -> go.Figure:
     """Claim 1: concurrent sequences per precision (bars, labelled with the multiplier vs 16-bit)."""
-    cap = _claim(found, "capacity")["data"].get("capacity", {})
+    cap = _data(found, "capacity").get("capacity", {})
     labels = list(cap.get("sequences", {}))
     seqs = [cap["sequences"][p] for p in labels]
     mult = [cap["multiplier"].get(p) for p in labels]
@@ -44,10 +47,10 @@ def findings_capacity_figure(found: dict) -> go.Figure:
     )
 
 
-def findings_position_figure(found: dict) -> go.Figure:
+def findings_position_figure(found: Findings) -> go.Figure:
     """Claim 2a: NLL delta vs full precision per position window of the held-out text, one line per precision."""
     fig = go.Figure()
-    for label in found.get("precisions", []):
+    for label in found.precisions:
         rows = window_deltas(found, label) if label != "full" else []
         if rows:
             fig.add_trace(
@@ -59,7 +62,7 @@ def findings_position_figure(found: dict) -> go.Figure:
                     hovertemplate="tokens %{x:.0f}: %{y:+.4f} nats/token<extra>" + label + "</extra>",
                 )
             )
-    th = found.get("thresholds", {}).get("nll_ok_nats")
+    th = found.thresholds.get("nll_ok_nats")
     if th is not None:
         fig.add_hline(y=th, line_dash="dash", line_color="gray", annotation_text="pass threshold")
     return _findings_layout(
@@ -70,10 +73,10 @@ def findings_position_figure(found: dict) -> go.Figure:
     )
 
 
-def findings_needle_figure(found: dict) -> go.Figure:
+def findings_needle_figure(found: Findings) -> go.Figure:
     """Claim 2b: needle answer log-prob delta vs full precision by prompt length, one line per precision."""
     fig = go.Figure()
-    for label in found.get("precisions", []):
+    for label in found.precisions:
         rows = needle_deltas(found, label) if label != "full" else []
         if rows:
             fig.add_trace(
@@ -85,7 +88,7 @@ def findings_needle_figure(found: dict) -> go.Figure:
                     hovertemplate="%{x} tokens: %{y:+.2f} nats<extra>" + label + "</extra>",
                 )
             )
-    th = found.get("thresholds", {}).get("needle_ok_nats")
+    th = found.thresholds.get("needle_ok_nats")
     if th is not None:
         fig.add_hline(y=-th, line_dash="dash", line_color="gray", annotation_text="pass threshold")
     return _findings_layout(
@@ -114,9 +117,9 @@ def _pair_bars(groups: list[tuple[str, dict]], measures: list[tuple[str, str]], 
     return _findings_layout(fig, title)
 
 
-def findings_keys_figure(found: dict) -> go.Figure:
+def findings_keys_figure(found: Findings) -> go.Figure:
     """Claim 3: k4v8 vs k8v4 (vs k8v2) on logit KL, NLL delta and needle log-prob loss."""
-    losses = _claim(found, "keys")["data"].get("losses", {})
+    losses = _data(found, "keys").get("losses", {})
     groups = [(p, losses[p]) for p in ("k4v8", "k8v4", "k8v2") if p in losses]
     measures = [("kl", "logit KL (nats)"), ("nll", "NLL delta (nats/token)"), ("needle", "needle log p loss (nats)")]
     return _pair_bars(
@@ -124,9 +127,9 @@ def findings_keys_figure(found: dict) -> go.Figure:
     )
 
 
-def findings_axis_figure(found: dict) -> go.Figure:
+def findings_axis_figure(found: Findings) -> go.Figure:
     """Claim 4: per-channel vs per-token keys at 4 and 2 bits, NLL delta (bars)."""
-    rows = _claim(found, "axis")["data"].get("rows", [])
+    rows = _data(found, "axis").get("rows", [])
     fig = go.Figure()
     for axis, color in (("channel", "#1f77b4"), ("token", "#ff7f0e")):
         fig.add_trace(
@@ -143,9 +146,9 @@ def findings_axis_figure(found: dict) -> go.Figure:
     )
 
 
-def findings_sinks_figure(found: dict) -> go.Figure:
+def findings_sinks_figure(found: Findings) -> go.Figure:
     """Claim 5: int2 without / with sinks, residual 32 / 128 (NLL delta bars)."""
-    rows = _claim(found, "sinks")["data"].get("rows", [])
+    rows = _data(found, "sinks").get("rows", [])
     x, y, colors = [], [], []
     for r in rows:
         x += [r["without"], r["with"]]
@@ -157,9 +160,9 @@ def findings_sinks_figure(found: dict) -> go.Figure:
     )
 
 
-def findings_stacking_figure(found: dict) -> go.Figure:
+def findings_stacking_figure(found: Findings) -> go.Figure:
     """Claim 6: weights x KV heatmap of NLL delta, each cell labelled with its sequences per GPU."""
-    grid = _claim(found, "stacking")["data"].get("grid", [])
+    grid = _data(found, "stacking").get("grid", [])
     weights = list(dict.fromkeys(r["weights"] for r in grid))
     kvs = list(dict.fromkeys(r["kv"] for r in grid))
     cell = {(r["weights"], r["kv"]): r for r in grid}
@@ -188,9 +191,11 @@ def findings_stacking_figure(found: dict) -> go.Figure:
     return _findings_layout(fig, "Weights x KV quantization: NLL delta vs (as loaded, full); sequences per GPU")
 
 
-def findings_tradeoff_figure(found: dict, budget: float | None = None, config: dict | None = None) -> go.Figure:
-    """Claim 7: every precision as (capacity multiplier, NLL delta), the Pareto front and the budget line."""
-    t = tradeoff(found, budget, config)
+def findings_tradeoff_figure(found: Findings, budget: float | None = None, config: dict | None = None) -> go.Figure:
+    """Claim 7: every precision as (capacity multiplier, NLL delta), the Pareto front and the budget line:
+    as the claim was judged (for the config and budget the page chose), unless `budget` / `config` are given."""
+    judged = _data(found, "tradeoff").get("tradeoff")
+    t = judged if judged is not None and budget is None and config is None else tradeoff(found, budget, config)
     pts = t["points"]
     fig = go.Figure(
         go.Scatter(
@@ -245,6 +250,6 @@ FINDINGS_FIGURES = {
 }
 
 
-def findings_figures(found: dict, claim_id: str) -> list[go.Figure]:
+def findings_figures(found: Findings, claim_id: str) -> list[go.Figure]:
     """The figures of one claim's section."""
     return [fn(found) for fn in FINDINGS_FIGURES.get(claim_id, [])]

@@ -2,7 +2,8 @@
 request), a PDF printed from it by headless Chromium (one or more pages per claim), and PNG figures.
 
 `write_report(found, out_dir)` writes findings.json, findings.html and, where Chromium is installed,
-findings.pdf. Chromium runs as `chromium --headless --no-sandbox --disable-gpu --disable-background-networking`.
+findings.pdf and the figures docs/findings.md shows (`DOC_FIGURES`). Chromium runs as
+`chromium --headless --no-sandbox --disable-gpu --disable-background-networking`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .figures.findings import findings_figures
-from .findings import caption, evaluate, save
+from ..figures.findings import findings_figures
+from ..results.findings import Findings, save
+from .verdicts import caption, judged
 
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking")
 FIGURE_WIDTH = 1000  # px: figures have a fixed width so the PDF pages lay out the same on every machine
@@ -49,50 +51,49 @@ def _figure_html(fig, first: bool) -> str:
     return fig.to_html(full_html=False, include_plotlyjs=True if first else False, config={"displaylogo": False})
 
 
-def verdict_rows(found: dict) -> list[dict]:
-    """One row per claim: title, verdict word, verdict text (what README and the page tabulate)."""
-    return [
-        {"claim": c["title"], "verdict": c["verdict"]["word"], "numbers": c["verdict"]["text"]} for c in found["claims"]
-    ]
+def verdict_rows(found: Findings) -> list[dict]:
+    """One row per claim: title, verdict word, verdict text (what docs/findings.md and the page tabulate)."""
+    return [{"claim": c.title, "verdict": c.verdict.word, "numbers": c.verdict.text} for c in found.claims]
 
 
-def render_html(found: dict, config: dict | None = None, budget: float | None = None) -> str:
-    """The whole report as one HTML document (plotly.js inline once)."""
-    if config is not None or budget is not None or not found.get("claims"):
-        found = dict(found) | {"claims": evaluate(found, config, budget)}
+def render_html(found: Findings, config: dict | None = None, budget: float | None = None) -> str:
+    """The whole report as one HTML document (plotly.js inline once); the claims judged again for `config`
+    and `budget` when given (or when the report has none)."""
+    if config is not None or budget is not None or not found.claims:
+        found = judged(found, config, budget)
     esc = html.escape
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>kvdemo findings: {esc(found.get('model', ''))}</title><style>{CSS}</style></head><body>",
+        f"<title>kvdemo findings: {esc(found.model)}</title><style>{CSS}</style></head><body>",
         "<h1>KV-cache quantization: findings</h1>",
-        f"<p class='meta'>{esc(found.get('model', ''))}; {esc(found.get('created', ''))}; "
-        f"{'quick sizes; ' if found.get('quick') else ''}measured in {found.get('seconds', 0):.0f} s "
-        f"({esc(found.get('stopped', ''))}); code {esc(found.get('version', ''))}</p>",
+        f"<p class='meta'>{esc(found.model)}; {esc(found.created)}; "
+        f"{'quick sizes; ' if found.quick else ''}measured in {found.seconds:.0f} s "
+        f"({esc(found.stopped)}); code {esc(found.version)}</p>",
         f"<p class='caption'>{esc(caption(found))}</p>",
     ]
-    if found.get("weights_note"):
-        parts.append(f"<p class='caption'>{esc(found['weights_note'])}</p>")
+    if found.weights_note:
+        parts.append(f"<p class='caption'>{esc(found.weights_note)}</p>")
     parts.append("<table><tr><th>claim</th><th>verdict on this model</th><th>numbers</th></tr>")
-    for row, c in zip(verdict_rows(found), found["claims"], strict=True):
-        color = VERDICT_COLORS[c["verdict"]["holds"]]
+    for row, c in zip(verdict_rows(found), found.claims, strict=True):
+        color = VERDICT_COLORS[c.verdict.holds]
         parts.append(
             f"<tr><td>{esc(row['claim'])}</td><td style='color:{color};font-weight:600'>{esc(row['verdict'])}</td>"
             f"<td>{esc(row['numbers'])}</td></tr>"
         )
     parts.append("</table>")
     first = True
-    for c in found["claims"]:
-        color = VERDICT_COLORS[c["verdict"]["holds"]]
+    for c in found.claims:
+        color = VERDICT_COLORS[c.verdict.holds]
         parts += [
-            f"<section id='{esc(c['id'])}'><h2>{esc(c['title'])}</h2>",
-            f"<p class='claim'>{esc(c['claim'])}</p>",
-            f"<div class='verdict' style='border-color:{color};color:{color}'>{esc(c['verdict']['word'].capitalize())}: "
-            f"{esc(c['verdict']['text'])}</div>",
+            f"<section id='{esc(c.id)}'><h2>{esc(c.title)}</h2>",
+            f"<p class='claim'>{esc(c.claim)}</p>",
+            f"<div class='verdict' style='border-color:{color};color:{color}'>{esc(c.verdict.word.capitalize())}: "
+            f"{esc(c.verdict.text)}</div>",
         ]
-        for fig in findings_figures(found, c["id"]):
+        for fig in findings_figures(found, c.id):
             parts.append(_figure_html(fig, first))
             first = False
-        parts.append(f"<p class='method'><b>How it was measured.</b> {esc(c['method'])}</p></section>")
+        parts.append(f"<p class='method'><b>How it was measured.</b> {esc(c.method)}</p></section>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -115,6 +116,15 @@ def print_pdf(html_path: str | Path, pdf_path: str | Path, timeout: float = 180)
         ]
         subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
     return pdf_path if pdf_path.is_file() else None
+
+
+def pdf_bytes(found: Findings) -> bytes | None:
+    """The report (claims as judged in `found`) printed to PDF; None when Chromium is not installed."""
+    with tempfile.TemporaryDirectory() as d:
+        html_path = Path(d) / "findings.html"
+        html_path.write_text(render_html(found), encoding="utf-8")
+        pdf = print_pdf(html_path, Path(d) / "findings.pdf")
+        return None if pdf is None else pdf.read_bytes()
 
 
 def figure_png(
@@ -146,13 +156,16 @@ def figure_png(
     return png_path if png_path.is_file() else None
 
 
-README_FIGURES = {"tradeoff.png": ("tradeoff", 0), "long_range.png": ("long_range", 0)}  # file: (claim, figure)
+# the figures docs/findings.md shows, as PNGs beside the report: file -> (claim, index of the claim's figure)
+DOC_FIGURES = {"tradeoff.png": ("tradeoff", 0), "long_range.png": ("long_range", 0)}
 
 
-def write_report(found: dict, out_dir: str | Path, pdf: bool = True) -> dict:
-    """findings.json, findings.html and (with Chromium, `pdf`) findings.pdf and README's two figures as
-    PNGs (README_FIGURES) in `out_dir`; their paths."""
+def write_report(found: Findings, out_dir: str | Path, pdf: bool = True) -> dict:
+    """findings.json, findings.html and (with Chromium, `pdf`) findings.pdf and docs/findings.md's two
+    figures as PNGs (`DOC_FIGURES`) in `out_dir`; their paths. A report without claims (one written while
+    its run goes on) is judged first."""
     out_dir = Path(out_dir)
+    found = found if found.claims else judged(found)
     files = {"json": str(save(found, out_dir))}
     html_path = out_dir / "findings.html"
     html_path.write_text(render_html(found), encoding="utf-8")
@@ -161,7 +174,7 @@ def write_report(found: dict, out_dir: str | Path, pdf: bool = True) -> dict:
         printed = print_pdf(html_path, out_dir / "findings.pdf")
         if printed is not None:
             files["pdf"] = str(printed)
-        for name, (claim_id, index) in README_FIGURES.items():
+        for name, (claim_id, index) in DOC_FIGURES.items():
             png = figure_png(findings_figures(found, claim_id)[index], out_dir / name)
             if png is not None:
                 files[name] = str(png)
