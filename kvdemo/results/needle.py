@@ -284,21 +284,21 @@ def difference_line(d: dict) -> str:
     )
 
 
-def repeats_markdown(grid: NeedleGrid) -> str:
-    """A `needle --repeats R` grid as docs/ prints it: per precision its found count over all runs with the 95%
-    Wilson interval, the fewest and most found in one seed's grid, the mean answer log-prob and its change
-    vs full precision."""
+def repeats_markdown(rows: Sequence[NeedleRow], repeats: int) -> str:
+    """The runs of a `needle --repeats R` grid as docs/ prints them: per precision its found count over all runs
+    with the 95% Wilson interval, the fewest and most found in one seed's grid, the mean answer log-prob and its
+    change vs full precision."""
     lines = [
-        f"| precision | found, {grid.repeats} grids | 95% interval | one grid: fewest..most | mean log p | vs full |",
+        f"| precision | found, {repeats} grids | 95% interval | one grid: fewest..most | mean log p | vs full |",
         "|---|---|---|---|---|---|",
     ]
     per_grid: dict[tuple[str, int], int] = {}
-    for r in grid.rows:
+    for r in rows:
         key = (r.precision, cell_key(r)[2])
         per_grid[key] = per_grid.get(key, 0) + r.correct
-    for s in grid.summary:
+    for s in summarize(rows):
         counts = [n for (p, _), n in per_grid.items() if p == s["precision"]]
-        cells = s["cells"] // grid.runs_per_cell
+        cells = s["cells"] // repeats
         change = "" if s["precision"] == "full" else f"{s['mean_logprob_change']:+.3f}"
         lines.append(
             f"| {s['precision']} | {s['correct']}/{s['cells']} | {s['found_low']:.1%}..{s['found_high']:.1%} | "
