@@ -154,7 +154,16 @@ def drift_modes(
     runs = {}
     for mode in MODES:
         step = track.part(per_run * len(specs), mode)
-        runs[mode] = run_drift(lm, prompt_ids, specs, new_tokens, None, step, should_stop, ref, mode)
+        runs[mode] = run_drift(
+            lm,
+            prompt_ids,
+            specs,
+            new_tokens,
+            on_progress=step,
+            should_stop=should_stop,
+            reference=ref,
+            prefill_mode=mode,
+        )
     results = []
     for i, spec in enumerate(specs):
         exact, chunked = (_drift_numbers(runs[m].results[i]) for m in MODES)

@@ -84,7 +84,14 @@ def test_one_chunk_prompts_are_the_same_in_both_modes(lm):
 @pytest.mark.model
 def test_drift_modes_share_one_reference_and_chunked_is_todays_drift(lm, small_chunk):
     prompt = document_prompt(lm, prose()[:1000])  # ~250 tokens: 4 chunks of 64
-    out = prefill_modes.drift_modes(lm, prompt, [SPEC], new_tokens=2)
+    seen = []
+    out = prefill_modes.drift_modes(lm, prompt, [SPEC], new_tokens=2, on_progress=seen.append)
+    work = (len(prompt) + 2) * 3  # tokens of work: the reference, then SPEC in each mode
+    assert {(p.total, p.unit) for p in seen} == {(work, "tokens")} and (seen[-1].done, seen[-1].what) == (
+        work,
+        "chunked: " + SPEC,
+    )
+    assert [p.done for p in seen] == sorted(p.done for p in seen)  # the count only grows
     (r,) = out.results
     assert out.chunks > 1 and r["exact"]["coded_keys"] > 0
     today = run_drift(lm, prompt, [SPEC], 2).results[0]  # the drift default: chunked
