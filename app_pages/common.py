@@ -537,7 +537,8 @@ class LongRun:
             out = run_exclusive(lm, lambda: work(on_progress), status)
         finally:
             bar_slot.empty()
-            st.session_state.pop(f"{self.key}_partial", None)
+        # not in `finally`: a Cancel click stops the script inside `work`, and the rerun keeps these rows
+        st.session_state.pop(f"{self.key}_partial", None)
         if out is not None:
             st.session_state.pop(f"{self.key}_cancelled", None)
         return out
