@@ -18,7 +18,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from kvdemo import formats, prefill_modes
+from kvdemo import formats, runner
 from kvdemo.chat.session import quantized_presets
 from kvdemo.documents import DocumentError, HeldDocument, document_budget, extract_bytes, hold_document, truncation_note
 from kvdemo.models import DTYPES, LoadedModel, ModelLoadError, load_model, model_lock
@@ -34,6 +34,7 @@ from kvdemo.precision import (
     spec_from_options,
 )
 from kvdemo.progress import Progress, ProgressFn
+from kvdemo.results.prefill_modes import DriftModes, NeedleModes, headlines, summary_rows
 
 MODEL_KINDS = {"embedded": "Embedded (SmolLM2-135M)", "hf": "Hugging Face id", "folder": "Local folder"}
 DEVICES = ("auto", "cpu", "cuda")
@@ -575,10 +576,50 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def prefill_modes_result(title: str, key: str, **modes: dict) -> None:
-    """A prefill-mode comparison: its title, headlines and summary table. modes: `cell=` a needle cell's
-    comparison or `drift=` a drift run's (`kvdemo.prefill_modes`)."""
-    st.markdown(f"**{title}**")
-    for line in prefill_modes.headlines(**modes):
+def prefill_modes_result(comparison: NeedleModes | DriftModes, key: str) -> None:
+    """A prefill-mode comparison (`kvdemo.prefill_modes`: a needle cell's or a drift run's): its title,
+    headlines and summary table."""
+    st.markdown(f"**{comparison.title()}**")
+    for line in headlines(comparison, runner.PREFILL_CHUNK):
         st.markdown(line)
-    st.dataframe(pd.DataFrame(prefill_modes.summary_rows(**modes)), hide_index=True, key=key)
+    part = {"cell": comparison} if isinstance(comparison, NeedleModes) else {"drift": comparison}
+    st.dataframe(pd.DataFrame(summary_rows(**part)), hide_index=True, key=key)
+
+
+def prefill_modes_expander(
+    lm: LoadedModel,
+    key: str,
+    label: str,
+    caption: str,
+    stored: str,
+    widths: list[int],
+    choose: Callable[[list], Callable[[ProgressFn], NeedleModes | DriftModes] | None],
+) -> None:
+    """The "Compare prefill modes" expander of the needle and drift pages. `caption` says what is compared and
+    `stored` what each mode stores ("haystack", "prompt"); `choose(columns)` draws the page's pickers in the
+    columns (`widths`, less the last, which holds the button) and returns the comparison to run, a function of
+    `on_progress`, or None when the page's settings allow none. The result is kept as `{key}_modes_result`."""
+    result_key = f"{key}_modes_result"
+    with st.expander(label, expanded=result_key in st.session_state):
+        st.caption(
+            f"{caption} The modes differ only when the {stored} spans more than one prefill chunk "
+            f"({runner.PREFILL_CHUNK:,} tokens)."
+        )
+        columns = st.columns(widths, vertical_alignment="bottom")
+        work = choose(columns[:-1])
+        if work is not None and columns[-1].button("Compare prefill modes", key=f"{key}_compare"):
+            status, bar_slot = st.empty(), st.empty()
+            bar = bar_slot.progress(0.0, text="starting...")
+
+            def on_progress(p: Progress) -> None:
+                bar.progress(p.fraction, text=p.text())
+
+            try:
+                result = run_exclusive(lm, lambda: work(on_progress), status)
+            finally:
+                bar_slot.empty()
+            if result is not None:
+                st.session_state[result_key] = result
+        comparison = st.session_state.get(result_key)
+        if comparison is not None:
+            prefill_modes_result(comparison, f"{key}_modes_table")

@@ -1,16 +1,15 @@
 """Attention drift: the current document (or bundled prose) at full precision vs quantized caches; layer x
 head heatmap of the attention JS divergence, drift by key position and the next-token logit KL per
-token. The work is `kvdemo.drift.run_drift`; figures come from `kvdemo.figures`."""
+token. The work is `kvdemo.drift.run_drift`, its result a `kvdemo.results.drift.DriftReport`; figures come
+from `kvdemo.figures`."""
 
 import json
-import time
 
 import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import prefill_modes, progress, runner
-from kvdemo.drift import document_prompt, run_drift, unquantized
+from kvdemo import drift, prefill_modes, progress
 from kvdemo.figures.drift import (
     drift_js_heatmap_figure,
     drift_layer_figure,
@@ -18,6 +17,7 @@ from kvdemo.figures.drift import (
     drift_position_figure,
 )
 from kvdemo.precision import parse_precision_list
+from kvdemo.results.drift import DriftReport, table_rows, unquantized
 from kvdemo.runner import PREFILL_MODES
 
 lm = common.model()
@@ -52,9 +52,8 @@ prefill_mode = st.radio(
     captions=[prefill_modes.MODE_HELP[m] for m in PREFILL_MODES],
 )
 run = st.button("Run drift", key="drift_run", type="primary")
-QUESTION_TOKENS = 32  # the question and chat template around the document (a rough count, for the hint)
-work_tokens = (tokens + QUESTION_TOKENS + new_tokens) * (len(picked) + 1)  # full precision + each picked
-st.caption(progress.hint(lm, "drift", work_tokens, f"{tokens:,} tokens at {len(picked) + 1} precisions"))
+planned = drift.planned_work_tokens(tokens, new_tokens, len(picked))
+st.caption(progress.hint(lm, "drift", planned, f"{tokens:,} tokens at {len(picked) + 1} precisions"))
 
 
 def prompt_now() -> tuple[list[int], int]:
@@ -64,102 +63,91 @@ def prompt_now() -> tuple[list[int], int]:
 
     text = doc["text"] if doc else prose()
     text, n, _ = fit_to_context(text, lm.tokenizer, tokens)
-    return document_prompt(lm, text), n
+    return drift.document_prompt(lm, text), n
 
 
 if run:
     if not picked:
         st.error("pick at least one quantized precision")
     else:
-        status = st.empty()
+        status, bar_slot = st.empty(), st.empty()
 
-        def work() -> dict:
+        def work() -> DriftReport:
             prompt, n = prompt_now()
-            specs = parse_precision_list(",".join(picked))
-            bar = st.progress(0.0, text="full precision")
-            done = [0]
+            bar = bar_slot.progress(0.0, text="starting...")
+            report = drift.run_drift(
+                lm,
+                prompt,
+                parse_precision_list(",".join(picked)),
+                new_tokens,
+                on_progress=lambda p: bar.progress(p.fraction, text=p.text()),
+                prefill_mode=prefill_mode,
+            )
+            done = drift.work_tokens(report.prompt_tokens, report.new_tokens, len(report.results))
+            progress.record(lm, "drift", done, report.seconds)
+            report.document, report.tokens = doc["name"] if doc else "Pride and Prejudice", n
+            return report
 
-            def show_progress(label: str) -> None:
-                bar.progress(done[0] / (len(specs) + 1), text=f"running {label}")
-                done[0] += 1
-
-            start = time.perf_counter()
-            out = run_drift(lm, prompt, specs, new_tokens, on_progress=show_progress, prefill_mode=prefill_mode)
-            done_tokens = (out["prompt_tokens"] + out["new_tokens"]) * (len(specs) + 1)
-            progress.record(lm, "drift", done_tokens, time.perf_counter() - start)
-            bar.empty()
-            out["document"] = doc["name"] if doc else "Pride and Prejudice"
-            out["document_tokens"] = n
-            return out
-
-        result = common.run_exclusive(lm, work, status)
+        try:
+            result = common.run_exclusive(lm, work, status)
+        finally:
+            bar_slot.empty()
         if result is not None:
             st.session_state["drift_result"] = result
 
-with st.expander("Compare prefill modes for one precision", expanded="drift_modes_result" in st.session_state):
-    st.caption(
-        "This text, these tokens and generated tokens, one precision, with the document stored exact and chunked "
-        "against one full-precision reference. The modes differ only when the prompt spans more than one "
-        f"prefill chunk ({runner.PREFILL_CHUNK:,} tokens)."
-    )
-    c1, c2 = st.columns([3, 1], vertical_alignment="bottom")
-    m_spec = c1.selectbox("Precision", picked or [common.spec().label], key="drift_modes_precision")
-    if c2.button("Compare prefill modes", key="drift_compare"):
-        modes_status = st.empty()
 
-        def compare() -> dict:
-            prompt, n = prompt_now()
-            return prefill_modes.drift_modes(lm, prompt, [m_spec], new_tokens) | {"document_tokens": n}
+def precision_comparison(columns):
+    """The prefill-mode comparison of one precision on this text, picked in `columns`."""
+    spec = columns[0].selectbox("Precision", picked or [common.spec().label], key="drift_modes_precision")
 
-        result = common.run_exclusive(lm, compare, modes_status)
-        if result is not None:
-            st.session_state["drift_modes_result"] = result
-    modes = st.session_state.get("drift_modes_result")
-    if modes is not None:
-        title = (
-            f"{modes['prompt_tokens']:,}-token prompt ({modes['chunks']} prefill chunks), {modes['new_tokens']} queries"
-        )
-        common.prefill_modes_result(title, "drift_modes_table", drift=modes)
+    def compare(on_progress):
+        prompt, n = prompt_now()
+        modes = prefill_modes.drift_modes(lm, prompt, [spec], new_tokens, on_progress)
+        modes.document_tokens = n
+        return modes
 
-out = st.session_state.get("drift_result")
-if out is None:
+    return compare
+
+
+common.prefill_modes_expander(
+    lm,
+    "drift",
+    "Compare prefill modes for one precision",
+    "This text, these tokens and generated tokens, one precision, with the document stored exact and chunked "
+    "against one full-precision reference.",
+    "prompt",
+    [3, 1],
+    precision_comparison,
+)
+
+report = st.session_state.get("drift_result")
+if report is None:
     st.info("Pick precisions and press **Run drift**.")
     st.stop()
 
-st.subheader(f"{out['document']}: {out['prompt_tokens']:,}-token prompt, {out['new_tokens']} generated tokens")
-st.caption(f"Full precision continued with: {out['generated']!r}")
-st.caption(f"Prefill: {prefill_modes.describe(out.get('prefill_mode', 'chunked'))}")
-keys = out["prompt_tokens"] + out["new_tokens"]
-exact = unquantized(out)
+st.subheader(f"{report.document}: {report.prompt_tokens:,}-token prompt, {report.new_tokens} generated tokens")
+st.caption(f"Full precision continued with: {report.generated!r}")
+st.caption(f"Prefill: {prefill_modes.describe(report.prefill_mode)}")
+keys = report.prompt_tokens + report.new_tokens
+exact = unquantized(report)
 if exact:
     st.info(
         f"{', '.join(exact)}: all {keys} tokens were still held in full precision (sinks and residual window), so "
         "nothing was read from quantized codes and there is no drift to see. Use more tokens or a smaller "
         "residual (sidebar, Advanced)."
     )
-table = pd.DataFrame(
-    [
-        {
-            "precision": r["precision"],
-            "bits/element": r["bits_per_element"],
-            "mean JS": r["mean_js"],
-            "mean KL": r["mean_kl"],
-            "top-10 overlap": r["topk_overlap"],
-            "output cosine": r["output_cosine"],
-            "top-1 agreement": r["top1_agreement"],
-        }
-        for r in out["results"]
-    ]
-)
-st.dataframe(table, hide_index=True, key="drift_table")
-labels = [r["precision"] for r in out["results"]]
+st.dataframe(pd.DataFrame(table_rows(report)), hide_index=True, key="drift_table")
+labels = [r.precision for r in report.results]
 chosen = st.selectbox("Heatmap for", labels, key="drift_heatmap_precision")
-result = out["results"][labels.index(chosen)]
-st.plotly_chart(drift_js_heatmap_figure(result), key="drift_heatmap")
+st.plotly_chart(drift_js_heatmap_figure(report.result(chosen)), key="drift_heatmap")
 c1, c2 = st.columns(2)
-c1.plotly_chart(drift_position_figure(out), key="drift_position")
-c2.plotly_chart(drift_logit_kl_figure(out), key="drift_logit_kl")
-st.plotly_chart(drift_layer_figure(out), key="drift_layers")
+c1.plotly_chart(drift_position_figure(report), key="drift_position")
+c2.plotly_chart(drift_logit_kl_figure(report), key="drift_logit_kl")
+st.plotly_chart(drift_layer_figure(report), key="drift_layers")
 st.download_button(
-    "Download JSON", json.dumps(out, indent=2), file_name="drift.json", mime="application/json", key="drift_json"
+    "Download JSON",
+    json.dumps(report.to_json(), indent=2),
+    file_name="drift.json",
+    mime="application/json",
+    key="drift_json",
 )

@@ -188,14 +188,15 @@ def ppl_rows(lm, tokens: int, prefix: int, precisions=tuple(PPL_KEYS)) -> list[d
 
 
 def passkey_rows(lm, repeats: int) -> dict:
-    """Issue 17's passkey grid, `repeats` seeds, with 2-bit keys alone (values int8): nuq2:o1's keys beside
-    the oracle's 4 levels per block in CARRIER. The summary per precision, its bar check and the pairing."""
-    from kvdemo.needle import found_check, paired_difference, run_grid, summarize
+    """The passkey grid (the default lengths and depths), `repeats` seeds, with 2-bit keys alone (values int8):
+    nuq2:o1's keys beside the oracle's 4 levels per block in CARRIER. The summary per precision, its bar check
+    and the pairing."""
+    from kvdemo.needle import run_grid
+    from kvdemo.results.needle import found_check, paired_difference, summarize
 
     with oracle_in_carrier(levels=4):
-        result = run_grid(lm, PASSKEY_LENGTHS, PASSKEY_DEPTHS, list(PASSKEY_KEYS), repeats=repeats)
-    rows = [r.to_dict() for r in result.rows]
-    summary = summarize(rows)
+        grid = run_grid(lm, PASSKEY_LENGTHS, PASSKEY_DEPTHS, list(PASSKEY_KEYS), repeats=repeats)
+    summary = summarize(grid.rows)
     for r in summary:
         r["keys"] = PASSKEY_KEYS.get(r["precision"], r["precision"])
         if r["precision"] != "full":
@@ -205,8 +206,8 @@ def passkey_rows(lm, repeats: int) -> dict:
         "lengths": list(PASSKEY_LENGTHS),
         "depths": list(PASSKEY_DEPTHS),
         "summary": summary,
-        "oracle_vs_nuq2": paired_difference(rows, CARRIER, "knuq2v8:o1"),
-        "rows": rows,
+        "oracle_vs_nuq2": paired_difference(grid.rows, CARRIER, "knuq2v8:o1"),
+        "rows": [r.to_json() for r in grid.rows],
     }
 
 
@@ -215,8 +216,8 @@ ORACLE_NAME = "oracle, own levels per block"  # the carrier's name in README's t
 
 def markdown(report: dict) -> str:
     """README's tables: each key code's error beside its keys-alone perplexity delta and logit KL; then, when the
-    report has it, the passkey grid with 2-bit keys alone (`kvdemo.cli.needle.repeats_markdown`'s table)."""
-    from kvdemo.cli.needle import repeats_markdown
+    report has it, the passkey grid with 2-bit keys alone (`kvdemo.results.needle.repeats_markdown`'s table)."""
+    from kvdemo.results.needle import NeedleRow, repeats_markdown
 
     ppl = {r["precision"]: r for r in report["ppl"]}
     names = {"int4": "k4v8", "nuq3:o1": "knuq3v8:o1", "oracle": CARRIER}
@@ -237,9 +238,7 @@ def markdown(report: dict) -> str:
             return {**row, "precision": renamed.get(row["precision"], row["precision"])}
 
         pk = report["passkey"]
-        tables.append(
-            repeats_markdown({**pk, "rows": list(map(named, pk["rows"])), "summary": list(map(named, pk["summary"]))})
-        )
+        tables.append(repeats_markdown([NeedleRow.from_json(named(r)) for r in pk["rows"]], pk["repeats"]))
     return "\n\n".join(tables)
 
 

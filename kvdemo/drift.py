@@ -16,7 +16,7 @@ exactly over positions): attention sinks, early / middle / late thirds of the qu
 and the recent tokens the cache still holds in full precision (its residual window).
 
 No eager attention is needed: probabilities come from the packed cache itself
-(`reference.past_probabilities`), normalized by the log-sum-exp the attention call used.
+(`reference_attention.past_probabilities`), normalized by the log-sum-exp the attention call used.
 References: Lin, "Divergence measures based on the Shannon entropy" (JS, bounded by ln 2);
 KIVI (arXiv 2402.02750) and KVQuant (arXiv 2401.18079) on key vs value sensitivity;
 StreamingLLM (arXiv 2309.17453) on attention sinks.
@@ -25,8 +25,8 @@ StreamingLLM (arXiv 2309.17453) on attention sinks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +35,9 @@ from . import attention
 from .cache import CacheView, QuantizedKVCache
 from .models import LoadedModel
 from .precision import DEFAULT_RESIDUAL, PrecisionSpec, parse_precision
+from .progress import ProgressFn, StopFn, Tracker
 from .quant import reference_attention
+from .results.drift import DriftReport, PrecisionDrift
 from .runner import PREFILL_MODES, chat_ids, new_cache, prefill, stop_token_ids
 
 TOP_K = 10
@@ -316,46 +318,6 @@ class _BinAccumulator:
         return out
 
 
-@dataclass
-class DriftResult:
-    """Drift of one precision against full precision on the same prompt and query tokens."""
-
-    precision: str
-    spec: dict
-    bits_per_element: float
-    mean_js: float
-    mean_kl: float
-    topk_overlap: float
-    output_cosine: float
-    top1_agreement: float  # fraction of steps whose next-token argmax matches full precision
-    coded_keys: int = 0  # keys the last query read from quantized codes (0: the cache held all exactly)
-    per_layer: list[dict] = field(default_factory=list)
-    by_position: list[dict] = field(default_factory=list)
-    position_profile: list[dict] = field(default_factory=list)
-    logit_kl: list[float] = field(default_factory=list)
-    per_query: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "precision": self.precision,
-            "mean_js": self.mean_js,
-            "mean_kl": self.mean_kl,
-            "topk_overlap": self.topk_overlap,
-            "output_cosine": self.output_cosine,
-            "top1_agreement": self.top1_agreement,
-            "coded_keys": self.coded_keys,
-            "bits_per_element": self.bits_per_element,
-            "per_layer": self.per_layer,
-            "by_position": self.by_position,
-            "position_profile": self.position_profile,
-            "logit_kl": self.logit_kl,
-            "per_query": self.per_query,
-            "spec": self.spec,
-            "seconds": round(self.seconds, 3),
-        }
-
-
 def measure_drift(
     lm: LoadedModel,
     prompt_ids: Sequence[int],
@@ -363,7 +325,7 @@ def measure_drift(
     ref: Reference,
     top_k: int = TOP_K,
     prefill_mode: str = "chunked",
-) -> DriftResult:
+) -> PrecisionDrift:
     """Run `spec` on the reference's prompt and teacher-forced tokens; compare every step to `ref`."""
     spec = parse_precision(spec)
     t0 = time.perf_counter()
@@ -414,7 +376,7 @@ def measure_drift(
     ]
     by_position = named.rows(first_edges, POSITION_BINS)
     bits = spec.bits_per_element(lm.head_dim, full_bits=8 * lm.dtype.itemsize)["mean"]
-    return DriftResult(
+    return PrecisionDrift(
         precision=spec.label,
         spec=spec.to_dict(),
         bits_per_element=round(bits, 4),
@@ -436,16 +398,25 @@ def measure_drift(
 # --- prompts and the whole run --------------------------------------------------------------------
 
 
-def unquantized(out: dict) -> list[str]:
-    """Precisions of a `run_drift` result whose queries read no key from codes (nothing to see)."""
-    return [r["precision"] for r in out["results"] if not r.get("coded_keys")]
-
-
 def document_prompt(lm: LoadedModel, document: str, question: str = QUESTION) -> list[int]:
     """Chat-template ids of one user turn: the document, a blank line, the question."""
     if not document.strip():
         raise ValueError("the document is empty: give some text")
     return chat_ids(lm, [{"role": "user", "content": f"{document.strip()}\n\n{question}"}])
+
+
+QUESTION_TOKENS = 32  # the question and chat template around a document (a rough count, for time hints)
+
+
+def work_tokens(prompt_tokens: int, new_tokens: int, quantized: int, reference: bool = True) -> int:
+    """Tokens of model work of a drift run, its progress unit and its time hint's (task "drift"): the prompt and
+    the query steps, once per quantized precision and once for the full-precision reference."""
+    return (prompt_tokens + new_tokens) * (quantized + int(reference))
+
+
+def planned_work_tokens(document_tokens: int, new_tokens: int, quantized: int) -> int:
+    """`work_tokens` before the prompt is built: a document of `document_tokens` plus `QUESTION_TOKENS`."""
+    return work_tokens(document_tokens + QUESTION_TOKENS, new_tokens, quantized)
 
 
 def run_drift(
@@ -454,14 +425,18 @@ def run_drift(
     specs: Sequence[PrecisionSpec | str],
     new_tokens: int = 16,
     top_k: int = TOP_K,
-    on_progress: Callable[[str], None] | None = None,
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
     reference: Reference | None = None,
     prefill_mode: str = "chunked",
-) -> dict:
+) -> DriftReport:
     """Full precision once, then each spec against it on the same prompt and teacher-forced tokens.
 
     reference: a `capture_reference(lm, prompt_ids, new_tokens)` to reuse (e.g. when the page adds a precision).
     prefill_mode: how each quantized cache stores the prompt (runner.PREFILL_MODES; the reference is exact).
+    on_progress: a `Progress` in tokens of work (`work_tokens`) after the reference and after each precision
+    (its `PrecisionDrift` in `Progress.row`); should_stop: polled before each, raises `Cancelled` with the
+    precisions finished.
     """
     if prefill_mode not in PREFILL_MODES:
         raise ValueError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -472,28 +447,33 @@ def run_drift(
             f"prompt ({len(prompt_ids)} tokens) + {new_tokens} new tokens exceed the model's context ({lm.max_context})"
         )
     specs = [parse_precision(s) for s in specs]
+    per_run = len(prompt_ids) + new_tokens
+    total = work_tokens(len(prompt_ids), new_tokens, len(specs), reference is None)
+    track = Tracker(total, "tokens", on_progress, should_stop)
     ref = reference
     if ref is None:
-        if on_progress:
-            on_progress("full precision")
+        track.check("the full-precision reference")
+        track.report("full precision (the reference)")
         ref = capture_reference(lm, prompt_ids, new_tokens)
+        track.advance("full precision (the reference)", per_run)
     elif ref.steps[0].position != len(prompt_ids) - 1:
         raise ValueError("the reference was captured on a different prompt")
     results = []
     for spec in specs:
-        if on_progress:
-            on_progress(spec.label)
-        results.append(measure_drift(lm, prompt_ids, spec, ref, top_k, prefill_mode).to_dict())
-    return {
-        "model": lm.name,
-        "prompt_tokens": len(prompt_ids),
-        "new_tokens": len(ref.steps),
-        "top_k": top_k,
-        "prefill_mode": prefill_mode,
-        "generated": lm.tokenizer.decode(ref.tokens, skip_special_tokens=True),
-        "reference_seconds": round(ref.seconds, 3),
-        "results": results,
-    }
+        track.check(spec.label)
+        track.report(spec.label)
+        results.append(measure_drift(lm, prompt_ids, spec, ref, top_k, prefill_mode))
+        track.advance(spec.label, per_run, results[-1])
+    return DriftReport(
+        model=lm.name,
+        prompt_tokens=len(prompt_ids),
+        new_tokens=len(ref.steps),
+        top_k=top_k,
+        prefill_mode=prefill_mode,
+        generated=lm.tokenizer.decode(ref.tokens, skip_special_tokens=True),
+        reference_seconds=ref.seconds,
+        results=results,
+    )
 
 
 def document_text(lm: LoadedModel, tokens: int, document: str = "") -> tuple[str, int]:

@@ -11,7 +11,7 @@ The flush rule: after an append, when the residual holds `spec.residual` tokens 
 (T - Q >= residual), every whole block of G tokens is quantized (Q = floor(T / G) * G).
 
 `Layout(spec)` states that rule once; the cache (kvdemo/cache.py), the memory formulas
-(kvdemo/memory.py), the needle's decode replay (kvdemo/needle.py) and the pages read regions from it.
+(kvdemo/memory.py), the needle's decode replay (kvdemo/needle/run.py) and the pages read regions from it.
 `bytes_per_token` is the one formula for the bytes a token costs (K and V, every layer).
 """
 

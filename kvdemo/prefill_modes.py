@@ -9,20 +9,24 @@ with the prompt stored `exact` and `chunked` (runner.PREFILL_MODES), and the dif
   first prefill attends over its own exact states), so the modes differ only beyond one chunk.
 
 The needle side is `needle.run_cell` (the grid's own code) on one (length, depth) cell; the drift side is
-`drift.run_drift` with one full-precision reference shared by both modes. Results are plain dicts.
+`drift.run_drift` with one full-precision reference shared by both modes. The results are the dataclasses of
+kvdemo/results/prefill_modes.py. Progress (kvdemo/progress.py) counts tokens of model work: the cell's length
+once at full precision and twice (once per mode) per quantized precision; the drift prompt and queries likewise.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from . import needle, runner
 from .drift import capture_reference, document_prompt, document_text, run_drift
+from .drift import work_tokens as drift_work_tokens
 from .models import LoadedModel
 from .precision import PRESETS, PrecisionSpec, parse_precision
-from .progress import Cancelled
+from .progress import ProgressFn, StopFn, Tracker
+from .results.drift import PrecisionDrift
+from .results.prefill_modes import DriftModes, NeedleModes, PrefillModesReport
 
 MODES = runner.PREFILL_MODES
 MODE_HELP = {
@@ -32,8 +36,6 @@ MODE_HELP = {
 }
 NEEDLE_FIELDS = ("answer", "correct", "answer_logprob")
 DRIFT_FIELDS = ("mean_js", "mean_kl", "top1_agreement", "coded_keys")
-
-Progress = Callable[[str], None]
 
 
 def describe(mode: str) -> str:
@@ -47,6 +49,11 @@ def chunks(tokens: int, chunk: int | None = None) -> int:
     """How many prefill chunks a prompt of `tokens` tokens takes (the modes differ only above 1)."""
     chunk = chunk or runner.PREFILL_CHUNK
     return max(1, -(-int(tokens) // chunk))
+
+
+def needle_work_tokens(length: int, quantized: int) -> int:
+    """Tokens of model work of `needle_modes`: the cell at full precision, then per quantized precision each mode."""
+    return int(length) * (1 + len(MODES) * quantized)
 
 
 def _quantized(specs: Sequence[PrecisionSpec | str]) -> list[PrecisionSpec]:
@@ -69,29 +76,23 @@ def needle_modes(
     needle_text: str = "",
     question: str = "",
     answer: str = "",
-    should_stop: Callable[[], bool] | None = None,
-) -> dict:
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> NeedleModes:
     """One needle cell (the grid's cell for this seed, length and depth): full precision, then every spec
     with its haystack stored exact and chunked. Returns the rows and each spec's log-prob changes."""
     specs = _quantized(specs)
     rng = needle.cell_rng(seed, length, depth)
     task = needle.make_task(kind, rng, needle_text, question, answer)
-    if length <= 0 or length + task.max_new_tokens > lm.max_context:
-        raise needle.NeedleError(
-            f"length {length} is not allowed: prompt + {task.max_new_tokens} new tokens must fit the model's "
-            f"context ({lm.max_context}); use 1..{lm.max_context - task.max_new_tokens}"
-        )
-    if haystack is None:
-        name, hay = needle.default_haystack(kind)
-        joiner = " " if name == "filler" else "\n\n"
-    else:
-        name, hay, joiner = haystack_name, haystack, "\n\n"
+    needle.check_length(lm, length, task.max_new_tokens)
+    name, hay, joiner = needle.choose_haystack(kind, haystack, haystack_name)
     prompt = needle.build_prompt(lm, task, hay, length, depth, rng, joiner)
+    track = Tracker(needle_work_tokens(length, len(specs)), "tokens", on_progress, should_stop)
     t0 = time.perf_counter()
-    rows = {"exact": needle.run_cell(lm, task, prompt, [PRESETS["full"], *specs], should_stop, prefill_mode="exact")}
-    rows["chunked"] = needle.run_cell(lm, task, prompt, specs, should_stop, prefill_mode="chunked")
-    if len(rows["exact"]) < len(specs) + 1 or len(rows["chunked"]) < len(specs):
-        raise Cancelled("the prefill-mode comparison was stopped")
+    rows = {
+        "exact": needle.run_cell(lm, task, prompt, [PRESETS["full"], *specs], track, "exact", seed=seed),
+        "chunked": needle.run_cell(lm, task, prompt, specs, track, "chunked", seed=seed),
+    }
     full = next(r for r in rows["exact"] if r.precision == "full")
     results = []
     for spec in specs:
@@ -108,25 +109,27 @@ def needle_modes(
                 "chunked_vs_exact": round(chunked.answer_logprob - exact.answer_logprob, 4),
             }
         )
-    return {
-        "kind": kind,
-        "haystack": name,
-        "seed": seed,
-        "length": length,
-        "depth": float(depth),
-        "prompt_tokens": prompt.length,
-        "context_tokens": prompt.context_len,
-        "chunks": chunks(prompt.context_len),
-        "expected": task.answer,
-        "results": results,
-        "rows": {mode: [r.to_dict() for r in rs] for mode, rs in rows.items()},
-        "seconds": round(time.perf_counter() - t0, 2),
+    return NeedleModes(
+        kind=kind,
+        haystack=name,
+        seed=seed,
+        length=length,
+        depth=float(depth),
+        prompt_tokens=prompt.length,
+        context_tokens=prompt.context_len,
+        chunks=chunks(prompt.context_len),
+        expected=task.answer,
+        results=results,
+        rows=rows,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _drift_numbers(r: PrecisionDrift) -> dict:
+    return {f: getattr(r, f) for f in DRIFT_FIELDS} | {
+        "logit_kl_mean": r.logit_kl_mean,
+        "logit_kl_max": max(r.logit_kl),
     }
-
-
-def _drift_numbers(r: dict) -> dict:
-    kls = r["logit_kl"]
-    return {f: r[f] for f in DRIFT_FIELDS} | {"logit_kl_mean": statistics.fmean(kls), "logit_kl_max": max(kls)}
 
 
 def drift_modes(
@@ -134,32 +137,46 @@ def drift_modes(
     prompt_ids: Sequence[int],
     specs: Sequence[PrecisionSpec | str],
     new_tokens: int = 16,
-    on_progress: Progress | None = None,
-) -> dict:
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> DriftModes:
     """`run_drift` in both modes against one full-precision reference; per spec the numbers of each mode
     and chunked over exact (a ratio: drift numbers span orders of magnitude)."""
     specs = _quantized(specs)
     t0 = time.perf_counter()
-    if on_progress:
-        on_progress("drift: full precision")
+    per_run = len(prompt_ids) + new_tokens
+    work = drift_work_tokens(len(prompt_ids), new_tokens, len(MODES) * len(specs))
+    track = Tracker(work, "tokens", on_progress, should_stop)
+    track.check("the full-precision reference")
+    track.report("full precision (the reference)")
     ref = capture_reference(lm, prompt_ids, new_tokens)
+    track.advance("full precision (the reference)", per_run)
     runs = {}
     for mode in MODES:
-        step = (lambda label, m=mode: on_progress(f"drift: {label}, {m}")) if on_progress else None
-        runs[mode] = run_drift(lm, prompt_ids, specs, new_tokens, on_progress=step, reference=ref, prefill_mode=mode)
+        step = track.part(per_run * len(specs), mode)
+        runs[mode] = run_drift(
+            lm,
+            prompt_ids,
+            specs,
+            new_tokens,
+            on_progress=step,
+            should_stop=should_stop,
+            reference=ref,
+            prefill_mode=mode,
+        )
     results = []
     for i, spec in enumerate(specs):
-        exact, chunked = (_drift_numbers(runs[m]["results"][i]) for m in MODES)
+        exact, chunked = (_drift_numbers(runs[m].results[i]) for m in MODES)
         ratio = {f: (chunked[f] / exact[f] if exact[f] else None) for f in ("mean_js", "mean_kl", "logit_kl_mean")}
         results.append({"precision": spec.label, "exact": exact, "chunked": chunked, "chunked_over_exact": ratio})
-    return {
-        "prompt_tokens": len(prompt_ids),
-        "new_tokens": runs["exact"]["new_tokens"],
-        "chunks": chunks(len(prompt_ids) - 1),
-        "generated": runs["exact"]["generated"],
-        "results": results,
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
+    return DriftModes(
+        prompt_tokens=len(prompt_ids),
+        new_tokens=runs["exact"].new_tokens,
+        chunks=chunks(len(prompt_ids) - 1),
+        generated=runs["exact"].generated,
+        results=results,
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def compare_prefill_modes(
@@ -171,81 +188,30 @@ def compare_prefill_modes(
     seed: int = 0,
     new_tokens: int = 16,
     document: str = "",
-    on_progress: Progress | None = None,
-) -> dict:
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> PrefillModesReport:
     """A needle cell of `tokens` tokens and a drift run on `tokens` tokens of prose (or of the file
     `document`), each with the prompt stored exact and chunked, for every quantized spec."""
     specs = _quantized(specs)
     t0 = time.perf_counter()
-    if on_progress:
-        on_progress("needle")
-    cell = needle_modes(lm, specs, tokens, depth, kind, seed=seed)
     text, n = document_text(lm, max(tokens - 40, 32), document)  # the question and template take ~30 tokens
     prompt = document_prompt(lm, text)
-    drift = drift_modes(lm, prompt, specs, new_tokens, on_progress)
-    return {
-        "model": lm.name,
-        "device": str(lm.device),
-        "dtype": str(lm.dtype).replace("torch.", ""),
-        "tokens": tokens,
-        "chunk": runner.PREFILL_CHUNK,
-        "modes": {m: MODE_HELP[m] for m in MODES},
-        "needle": cell,
-        "drift": drift | {"document_tokens": n},
-        "summary": summary_rows(cell, drift),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-
-
-def summary_rows(cell: dict | None = None, drift: dict | None = None) -> list[dict]:
-    """One row per precision: the needle's answer log-prob at full precision, exact and chunked and
-    chunked minus exact; the drift's mean attention JS and mean logit KL per mode and chunked over exact."""
-    labels = [r["precision"] for r in (cell or drift)["results"]]
-    needles = {r["precision"]: r for r in cell["results"]} if cell else {}
-    drifts = {r["precision"]: r for r in drift["results"]} if drift else {}
-    rows = []
-    for label in labels:
-        row, n, d = {"precision": label}, needles.get(label), drifts.get(label)
-        if n:
-            row |= {
-                "log p full": n["full"]["answer_logprob"],
-                "log p exact": n["exact"]["answer_logprob"],
-                "log p chunked": n["chunked"]["answer_logprob"],
-                "log p chunked - exact": n["chunked_vs_exact"],
-                "found (full/exact/chunked)": "/".join("yes" if n[m]["correct"] else "no" for m in ("full", *MODES)),
-            }
-        if d:
-            for name, field in (("JS", "mean_js"), ("logit KL", "logit_kl_mean")):
-                ratio = d["chunked_over_exact"][field]
-                row |= {
-                    f"{name} exact": d["exact"][field],
-                    f"{name} chunked": d["chunked"][field],
-                    f"{name} chunked/exact": None if ratio is None else round(ratio, 3),
-                }
-        rows.append(row)
-    return rows
-
-
-def headlines(cell: dict | None = None, drift: dict | None = None) -> list[str]:
-    """One sentence per precision: the two modes' numbers and their difference (pages, CLI)."""
-    out = []
-    for r in cell["results"] if cell else []:
-        out.append(
-            f"{r['precision']}: log p(true answer) full {r['full']['answer_logprob']:.4f}, exact "
-            f"{r['exact']['answer_logprob']:.4f}, chunked {r['chunked']['answer_logprob']:.4f}: chunked minus "
-            f"exact {r['chunked_vs_exact']:+.4f} nats"
-        )
-    for r in drift["results"] if drift else []:
-        e, c, q = r["exact"], r["chunked"], r["chunked_over_exact"]
-        times = "" if q["logit_kl_mean"] is None else f" ({q['logit_kl_mean']:.2f}x)"
-        out.append(
-            f"{r['precision']}: mean attention JS exact {e['mean_js']:.3g}, chunked {c['mean_js']:.3g}; mean logit "
-            f"KL exact {e['logit_kl_mean']:.3g}, chunked {c['logit_kl_mean']:.3g}{times}"
-        )
-    chunked = (cell or drift or {}).get("chunks", 2)
-    if chunked == 1:
-        out.append(
-            f"The prompt fits one prefill chunk ({runner.PREFILL_CHUNK:,} tokens): both modes store it the same "
-            "way. Use a longer prompt to see them differ."
-        )
-    return out
+    needle_work = needle_work_tokens(tokens, len(specs))
+    drift_work = drift_work_tokens(len(prompt), new_tokens, len(MODES) * len(specs))
+    track = Tracker(needle_work + drift_work, "tokens", on_progress)
+    needle_progress = track.part(needle_work, "needle")
+    cell = needle_modes(lm, specs, tokens, depth, kind, seed=seed, on_progress=needle_progress, should_stop=should_stop)
+    drift = drift_modes(lm, prompt, specs, new_tokens, track.part(drift_work, "drift"), should_stop)
+    drift.document_tokens = n
+    return PrefillModesReport(
+        model=lm.name,
+        device=str(lm.device),
+        dtype=str(lm.dtype).replace("torch.", ""),
+        tokens=tokens,
+        chunk=runner.PREFILL_CHUNK,
+        modes={m: MODE_HELP[m] for m in MODES},
+        needle=cell,
+        drift=drift,
+        seconds=time.perf_counter() - t0,
+    )

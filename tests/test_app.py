@@ -291,7 +291,7 @@ def test_small_needle_grid_draws_heatmaps_and_table():
     heat = json.loads(charts[0].proto.spec)
     assert [t["type"] for t in heat["data"]] == ["heatmap", "heatmap"]
     result = at.session_state["needle_result"]
-    assert len(result["rows"]) == 2 and {r["precision"] for r in result["rows"]} == {"full", "int4"}
+    assert len(result.rows) == 2 and {r.precision for r in result.rows} == {"full", "int4"}
     assert len(at.get("download_button")) == 2
 
 
@@ -330,10 +330,10 @@ def test_drift_page_runs_on_the_current_document():
     at.button(key="drift_run").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     out = at.session_state["drift_result"]
-    assert out["document"] == "notes.txt" and [r["precision"] for r in out["results"]] == ["int4:g16:r16", "int8"]
-    low, int8 = out["results"]
-    assert low["mean_js"] > 0  # the document's tokens were quantized in 16-token blocks
-    assert int8["mean_js"] == 0  # ~90 tokens < int8's 128-token residual: exact, and the page says so
+    assert out.document == "notes.txt" and [r.precision for r in out.results] == ["int4:g16:r16", "int8"]
+    low, int8 = out.results
+    assert low.mean_js > 0  # the document's tokens were quantized in 16-token blocks
+    assert int8.mean_js == 0  # ~90 tokens < int8's 128-token residual: exact, and the page says so
     assert any("nothing was read from quantized codes" in i.value and "int8" in i.value for i in at.info)
     assert "int4:g16:r16" not in " ".join(i.value for i in at.info)
     assert len(at.get("plotly_chart")) == 4
@@ -438,19 +438,16 @@ def test_home_and_sidebar_say_how_to_load_a_stronger_model_and_what_fits():
 
 
 def test_needle_page_marks_cells_where_full_precision_missed():
+    from kvdemo.results.needle import NeedleGrid, NeedleRow
+
     at = start("app_pages/needle.py")
     rows = [
-        {"precision": p, "length": 160, "depth": d, "correct": ok, "answer_logprob": -1.0, "answer": "x"}
-        | {"expected": "y", "depth_actual": d, "prompt_tokens": 160}
+        NeedleRow(160, d, p, "x", ok, -1.0, "y", "custom", "", 160, d, 10, 1, 1, "eos", 0.1, 0.1, 0)
         for p, d, ok in [("full", 0.0, False), ("int4", 0.0, False), ("full", 50.0, True), ("int4", 50.0, True)]
     ]
-    from kvdemo.needle import summarize
-
-    at.session_state["needle_result"] = {
-        "model": "m", "kind": "custom", "haystack": "manual", "seed": 0, "lengths": [160], "depths": [0.0, 50.0],
-        "precisions": ["full", "int4"], "rows": rows, "summary": summarize(rows), "seconds": 3.0,
-        "stopped": "done", "notes": [],
-    }  # fmt: skip
+    at.session_state["needle_result"] = NeedleGrid(
+        "m", "custom", "manual", 0, [160], [0.0, 50.0], ["full", "int4"], rows, 3.0
+    )
     at.run()
     assert not at.exception
     assert any("Full precision itself missed 1 of 2 cells" in w.value for w in at.warning)
@@ -460,7 +457,10 @@ def test_needle_page_marks_cells_where_full_precision_missed():
 
 
 def test_cancel_keeps_the_complete_grid_and_shows_the_partial_one_beside_it(monkeypatch):
+    """LongRun on the needle page: a Cancel click keeps the rows the run reported (as `Progress.row`) beside the
+    last complete grid, which stays."""
     import kvdemo.needle as needle
+    from kvdemo.progress import Progress
 
     at = start("app_pages/needle.py")
     at.text_input(key="needle_lengths").set_value("160")
@@ -468,11 +468,11 @@ def test_cancel_keeps_the_complete_grid_and_shows_the_partial_one_beside_it(monk
     at.multiselect(key="needle_precisions").set_value(["full", "int4"])
     at.button(key="needle_run").click().run()
     complete = at.session_state["needle_result"]
-    assert len(complete["rows"]) == 2 and complete["seconds"] > 0
+    assert len(complete.rows) == 2 and complete.seconds > 0
 
     def one_cell_then_cancel(lm, lengths, depths, precisions, on_progress=None, **kw):
         time.sleep(0.05)
-        on_progress(1, 8, needle.NeedleRow(**complete["rows"][0]))
+        on_progress(Progress(160, 1280, "tokens", "int4 at 160 tokens", 0.05, complete.rows[0]))
         raise StopException()  # what Streamlit raises in the script when the user's Cancel click reruns it
 
     monkeypatch.setattr(needle, "run_grid", one_cell_then_cancel)
@@ -482,7 +482,8 @@ def test_cancel_keeps_the_complete_grid_and_shows_the_partial_one_beside_it(monk
     assert not at.exception
     assert at.session_state["needle_result"] == complete  # the finished grid is kept
     partial = at.session_state["needle_cancelled"]
-    assert partial["stopped"] == "cancelled" and len(partial["rows"]) == 1 and partial["seconds"] >= 0.05
+    assert partial["stopped"] == "cancelled" and partial["rows"] == [complete.rows[0].to_json()]
+    assert partial["seconds"] >= 0.05 and partial["meta"]["depths"] == [25.0, 50.0, 75.0, 100.0]
     assert any("Cancelled run (partial): 1 of 8 runs" in i.value for i in at.info)
     assert len(at.get("download_button")) == 4  # the complete grid's CSV/JSON and the partial one's
 
@@ -595,7 +596,7 @@ def test_needle_repeats_run_each_cell_with_new_needles_and_show_found_rates():
     at.button(key="needle_run").click().run()
     assert not at.exception and not at.error
     out = at.session_state["needle_result"]
-    assert out["repeats"] == 2 and [(r["seed"], r["precision"]) for r in out["rows"]] == [
+    assert out.repeats == 2 and [(r.seed, r.precision) for r in out.rows] == [
         (0, "full"), (0, "int4"), (1, "full"), (1, "int4")
     ]  # fmt: skip
     summary, answers = (d.value for d in at.dataframe)

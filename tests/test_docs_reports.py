@@ -8,8 +8,10 @@ import re
 import statistics
 from pathlib import Path
 
-from kvdemo import bench, needle, ppl
-from kvdemo.cli.needle import repeats_markdown
+from kvdemo import bench, ppl
+from kvdemo.results import needle
+from kvdemo.results.drift import DriftReport
+from kvdemo.results.needle import NeedleGrid, repeats_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "assets" / "reports"
@@ -208,18 +210,17 @@ def test_production_table_is_the_mapping():
 
 
 def test_drift_table_matches_drift_json():
-    page, report = _page("drift.md"), _report("drift.json")
+    page, report = _page("drift.md"), DriftReport.from_json(_report("drift.json"))
     at, rows = _table(page, ["precision", "mean JS", "mean KL", "top-10 overlap", "output cosine", "logit KL mean"])
-    results = {r["precision"]: r for r in report["results"]}
-    assert len(rows) == len(results)
+    assert len(rows) == len(report.results)
     for cells in rows:
-        r = results[cells[0]]
-        values = [r["mean_js"], r["mean_kl"], r["topk_overlap"], r["output_cosine"], statistics.fmean(r["logit_kl"])]
+        r = report.result(cells[0])
+        values = [r.mean_js, r.mean_kl, r.topk_overlap, r.output_cosine, r.logit_kl_mean]
         assert all(_printed(c, v) for c, v in zip(cells[1:], values, strict=True)), cells
-    _says_date(page, at, report["provenance"]["date"])
-    assert report["provenance"]["command"] in page
+    _says_date(page, at, report.provenance["date"])
+    assert report.provenance["command"] in page
     head = page[max(0, at - 600) : at]
-    assert f"prompt {report['prompt_tokens']} tokens, {report['new_tokens']} queries" in head
+    assert f"prompt {report.prompt_tokens} tokens, {report.new_tokens} queries" in head
 
 
 def test_drift_prose_ratios_match_drift_json():
@@ -247,15 +248,16 @@ def _paired_lines(text: str) -> list[tuple[str, str, str]]:
 def test_multikey_grid_is_its_repeats_report():
     """The needle page's multikey grid (`--repeats 10`): table, paired lines and the figures its prose quotes."""
     page, report = _page("needle.md"), _report("needle_multikey.json")
+    grid = NeedleGrid.from_json(report)
     assert report["kind"] == "multikey" and report["repeats"] == 10
     assert report["provenance"]["command"] in page
-    _has_table(page, repeats_markdown(report), report["provenance"]["date"])
-    assert report["summary"] == needle.summarize(report["rows"])
+    _has_table(page, repeats_markdown(grid.rows, grid.repeats), report["provenance"]["date"])
+    assert report["summary"] == needle.summarize(grid.rows)
     text = _section(page, "## Measured: multikey in prose")
     stated = _paired_lines(text)
     assert len(stated) >= 6
     for a, b, value in stated:
-        assert needle.difference_line(needle.paired_difference(report["rows"], a, b, value)) in text
+        assert needle.difference_line(needle.paired_difference(grid.rows, a, b, value)) in text
     summary = {s["precision"]: s for s in report["summary"]}
     misses = re.search(r"misses (\d+) of the (\d+) needles", text)
     assert misses and (int(misses[1]), int(misses[2])) == (
@@ -458,7 +460,8 @@ def test_oracle_codebooks_passkey_table_is_its_report_beside_the_passkey_grid():
 
     page = _page("methods-passkey.md")
     oracle, shipped = _report("needle_passkey_oracle_codebooks.json"), _report("needle_passkey.json")
-    _has_table(page, codebooks_markdown(shipped, oracle, "shipped", "oracle"), oracle["provenance"]["date"])
+    grids = NeedleGrid.from_json(shipped), NeedleGrid.from_json(oracle)
+    _has_table(page, codebooks_markdown(*grids, "shipped", "oracle"), oracle["provenance"]["date"])
     assert oracle["provenance"]["command"] in page and "--codebooks" in oracle["provenance"]["command"]
     assert "the text kvdemo ppl scores" in oracle["codebooks"]
     assert (oracle["lengths"], oracle["depths"], oracle["seed"]) == (
@@ -475,16 +478,17 @@ def test_passkey_repeats_table_verdict_and_differences_are_the_repeats_report():
     the paired differences the page states, and its seed-0 runs equal to the one-grid report, answer for answer."""
     page = _page("methods-passkey.md")
     report, once = _report("needle_passkey_repeats.json"), _report("needle_passkey.json")
+    grid = NeedleGrid.from_json(report)
     assert report["repeats"] == 10 and report["provenance"]["command"] in page
-    _has_table(page, repeats_markdown(report), report["provenance"]["date"])
-    assert report["summary"] == needle.summarize(report["rows"])  # the summary follows from the rows
+    _has_table(page, repeats_markdown(grid.rows, grid.repeats), report["provenance"]["date"])
+    assert report["summary"] == needle.summarize(grid.rows)  # the summary follows from the rows
     summary = {s["precision"]: s for s in report["summary"]}
     text = _section(page, "## The passkey grid, ten times", "## Where retrieval breaks: the keys")
     assert needle.found_line(needle.found_check(summary["nuq2:o1"], 13, 15)) in text
     stated = _paired_lines(text)
     assert len(stated) >= 4
     for a, b, value in stated:
-        assert needle.difference_line(needle.paired_difference(report["rows"], a, b, value)) in text
+        assert needle.difference_line(needle.paired_difference(grid.rows, a, b, value)) in text
     timing = {"prefill_s", "seconds", "seed"}
     first = [{k: v for k, v in r.items() if k not in timing} for r in report["rows"] if r["seed"] == report["seed"]]
     assert first == [{k: v for k, v in r.items() if k not in timing} for r in once["rows"]]
@@ -495,9 +499,10 @@ def test_passkey_kv_split_table_and_lines_are_its_report():
     paired lines against nuq2:o1 (its rows from the ten-grid report: the same needles, seed by seed)."""
     page = _page("methods-passkey.md")
     report, both = _report("needle_passkey_kv_split.json"), _report("needle_passkey_repeats.json")
+    grid, both_grid = NeedleGrid.from_json(report), NeedleGrid.from_json(both)
     assert report["provenance"]["command"] in page
-    _has_table(page, repeats_markdown(report), report["provenance"]["date"])
-    assert report["summary"] == needle.summarize(report["rows"])
+    _has_table(page, repeats_markdown(grid.rows, grid.repeats), report["provenance"]["date"])
+    assert report["summary"] == needle.summarize(grid.rows)
     needles = [(r["length"], r["depth"], r["seed"], r["expected"]) for r in report["rows"] if r["precision"] == "full"]
     assert needles == [
         (r["length"], r["depth"], r["seed"], r["expected"]) for r in both["rows"] if r["precision"] == "full"
@@ -506,7 +511,7 @@ def test_passkey_kv_split_table_and_lines_are_its_report():
     text = _section(page, "## Where retrieval breaks: the keys", "## Is the key code the limit?")
     for precision in ("knuq2v8:o1", "k8vnuq2:o1"):
         assert needle.found_line(needle.found_check(summary[precision], 13, 15)) in text
-    rows = [r for r in both["rows"] if r["precision"] != "full"] + report["rows"]
+    rows = [r for r in both_grid.rows if r.precision != "full"] + grid.rows
     stated = _paired_lines(text)
     assert len(stated) >= 2
     for a, b, value in stated:

@@ -1,6 +1,7 @@
 """Attention-score drift: metrics on known distributions, the capture hook against a dense softmax,
 and (marked `model`) drift on the embedded model at a small size, its figures and its CLI."""
 
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,15 @@ from hypothesis import strategies as st
 from kvdemo import attention, drift
 from kvdemo.cache import QuantizedKVCache
 from kvdemo.cli import drift as drift_cli
+from kvdemo.figures.drift import (
+    drift_js_heatmap_figure,
+    drift_layer_figure,
+    drift_logit_kl_figure,
+    drift_position_figure,
+)
+from kvdemo.progress import Cancelled
 from kvdemo.quant import reference_attention
+from kvdemo.results.drift import DriftReport, PrecisionDrift, table_rows, unquantized
 
 ROOT = Path(__file__).resolve().parent.parent
 LN2 = math.log(2.0)
@@ -200,43 +209,37 @@ def test_full_vs_full_has_no_drift(lm, prompt, ref):
 
 @pytest.mark.model
 def test_int2_drifts_more_than_int8(lm, out):
-    assert out["new_tokens"] == NEW_TOKENS and out["prompt_tokens"] > DOC_TOKENS
-    by = {r["precision"]: r for r in out["results"]}
-    i8, i2 = by["int8"], by["int2"]
-    assert i2["mean_js"] > 10 * i8["mean_js"] > 0
-    assert i2["mean_kl"] > i8["mean_kl"] > 0
-    assert i2["topk_overlap"] < i8["topk_overlap"] <= 1.0
-    assert i2["output_cosine"] < i8["output_cosine"] <= 1.0 + 1e-12
-    assert sum(i2["logit_kl"]) > sum(i8["logit_kl"])
+    assert out.new_tokens == NEW_TOKENS and out.prompt_tokens > DOC_TOKENS
+    i8, i2 = out.result("int8"), out.result("int2")
+    assert i2.mean_js > 10 * i8.mean_js > 0
+    assert i2.mean_kl > i8.mean_kl > 0
+    assert i2.topk_overlap < i8.topk_overlap <= 1.0
+    assert i2.output_cosine < i8.output_cosine <= 1.0 + 1e-12
+    assert sum(i2.logit_kl) > sum(i8.logit_kl)
     for r in (i8, i2):
-        assert len(r["per_layer"]) == lm.num_layers and len(r["logit_kl"]) == NEW_TOKENS
-        assert len(r["per_layer"][0]["js_per_head"]) == lm.config.num_attention_heads
-        assert [b["bin"] for b in r["by_position"]] == list(drift.POSITION_BINS)
-        assert sum(b["js"] for b in r["by_position"]) == pytest.approx(r["mean_js"], rel=1e-6)
-        assert sum(b["js"] for b in r["position_profile"]) == pytest.approx(r["mean_js"], rel=1e-6)
-        assert sum(b["mass_full"] for b in r["by_position"]) == pytest.approx(1.0, abs=1e-4)
-        assert r["by_position"][-1]["start"] == 256  # int8/int2 at 351 keys: 256 quantized, the rest residual
-        assert json.loads(json.dumps(r)) == r
+        assert len(r.per_layer) == lm.num_layers and len(r.logit_kl) == NEW_TOKENS
+        assert len(r.per_layer[0]["js_per_head"]) == lm.config.num_attention_heads
+        assert [b["bin"] for b in r.by_position] == list(drift.POSITION_BINS)
+        assert sum(b["js"] for b in r.by_position) == pytest.approx(r.mean_js, rel=1e-6)
+        assert sum(b["js"] for b in r.position_profile) == pytest.approx(r.mean_js, rel=1e-6)
+        assert sum(b["mass_full"] for b in r.by_position) == pytest.approx(1.0, abs=1e-4)
+        assert r.by_position[-1]["start"] == 256  # int8/int2 at 351 keys: 256 quantized, the rest residual
+        assert json.loads(json.dumps(r.to_json())) == r.to_json()
+    again = DriftReport.from_json(json.loads(json.dumps(out.to_json())))
+    assert again.to_json() == out.to_json() and again.result("int2").mean_js == i2.mean_js
 
 
 @pytest.mark.model
 def test_figures_build(out):
-    from kvdemo.figures.drift import (
-        drift_js_heatmap_figure,
-        drift_layer_figure,
-        drift_logit_kl_figure,
-        drift_position_figure,
-    )
-
-    heat = drift_js_heatmap_figure(out["results"][1])
-    assert len(heat.data[0].z) == len(out["results"][1]["per_layer"])
+    heat = drift_js_heatmap_figure(out.results[1])
+    assert len(heat.data[0].z) == len(out.results[1].per_layer)
     for fig in (
         drift_position_figure(out),
         drift_logit_kl_figure(out),
         drift_layer_figure(out),
     ):
-        assert len(fig.data) == len(out["results"])
-    assert drift_cli.format_text({"tokens": DOC_TOKENS} | out).count("\n") > 4
+        assert len(fig.data) == len(out.results)
+    assert drift_cli.format_text(dataclasses.replace(out, tokens=DOC_TOKENS)).count("\n") > 4
 
 
 @pytest.mark.model
@@ -277,7 +280,54 @@ def test_int4_s4_at_130_keys_is_not_called_unquantized(lm):
     has read 124 of them from codes (block [4, 128)); int4 at 100 keys has read none."""
     prompt = list(range(1000, 1129))  # 129 token ids
     out = drift.run_drift(lm, prompt, ["int4:s4"], new_tokens=1)
-    assert out["results"][0]["coded_keys"] == 124
-    assert drift.unquantized(out) == []
+    assert out.results[0].coded_keys == 124
+    assert unquantized(out) == []
     short = drift.run_drift(lm, prompt[:99], ["int4"], new_tokens=1)
-    assert short["results"][0]["coded_keys"] == 0 and drift.unquantized(short) == ["int4"]
+    assert short.results[0].coded_keys == 0 and unquantized(short) == ["int4"]
+
+
+@pytest.mark.model
+def test_progress_counts_tokens_of_work_and_a_stop_keeps_the_finished_precisions(lm):
+    """Units: (prompt + queries) per run, the reference first; each finished precision in `Progress.row`;
+    `should_stop` once a precision finished raises `Cancelled` carrying it."""
+    prompt = list(range(1000, 1100))  # 100 token ids
+    seen = []
+
+    def finished():
+        return [p.row for p in seen if p.row is not None]
+
+    with pytest.raises(Cancelled) as stopped:
+        drift.run_drift(lm, prompt, ["int4", "int8"], 2, on_progress=seen.append, should_stop=lambda: bool(finished()))
+    assert [(p.done, p.what, p.row is not None) for p in seen] == [
+        (0, "full precision (the reference)", False),
+        (102, "full precision (the reference)", False),
+        (102, "int4", False),
+        (204, "int4", True),
+    ]
+    assert {(p.total, p.unit) for p in seen} == {(306, "tokens")} and drift.work_tokens(100, 2, 2) == 306
+    assert drift.planned_work_tokens(100 - drift.QUESTION_TOKENS, 2, 2) == 306  # the page's hint, before the prompt
+    (kept,) = stopped.value.partial
+    assert isinstance(kept, PrecisionDrift) and kept.precision == "int4" and [kept] == finished()
+
+
+# --- shipped report --------------------------------------------------------------------------------------
+
+
+def test_shipped_report_round_trips_and_draws():
+    """assets/reports/drift.json reads as a DriftReport, writes back the same JSON in the same key order, and its
+    figures and table take the typed report."""
+    data = json.loads((ROOT / "assets" / "reports" / "drift.json").read_text())
+    report = DriftReport.from_json(data)
+    assert report.to_json() == data and list(report.to_json()) == list(data)
+    assert [list(r.to_json()) for r in report.results] == [list(r) for r in data["results"]]
+    assert [r["precision"] for r in table_rows(report)] == [r["precision"] for r in data["results"]]
+    assert unquantized(report) == []
+    for fig in (drift_layer_figure(report), drift_logit_kl_figure(report), drift_position_figure(report)):
+        assert [t.name for t in fig.data] == [r["precision"] for r in data["results"]]
+    heat = drift_js_heatmap_figure(report.result("int2"))
+    assert [list(z) for z in heat.data[0].z] == [row["js_per_head"] for row in data["results"][3]["per_layer"]]
+    assert data["results"][3]["precision"] == "int2"
+    with pytest.raises(KeyError, match="it has int8"):
+        report.result("nvfp4")
+    text = drift_cli.format_text(report)
+    assert f"document: {data['tokens']} tokens" in text and "int2" in text

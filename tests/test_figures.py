@@ -4,6 +4,7 @@ was built from, cells where full precision missed are marked, and long titles wr
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from kvdemo.figures.memory import (
 )
 from kvdemo.figures.needle import FULL_MISSED, full_missed_cells, needle_difference_figure, needle_heatmap_figure
 from kvdemo.figures.ppl import ablation_frontier_figure
+from kvdemo.results.needle import NeedleGrid, NeedleRow
 
 LENGTHS = [1000, 2000]
 DEPTHS = [10.0, 50.0, 90.0]
@@ -23,27 +25,22 @@ PRECISIONS = ["full", "int8", "int4", "int2"]
 MAX_TITLE_CHARS = 60  # a half-width chart at the default page width shows about this many
 
 
-def _rows() -> list[dict]:
+def _rows() -> list[NeedleRow]:
     """A grid whose every (precision, length, depth) cell has its own log-prob; full misses depth 90."""
     rows = []
     for p, label in enumerate(PRECISIONS):
         for n in LENGTHS:
             for d in DEPTHS:
                 correct = not (d == 90.0 or (label == "int2" and d == 10.0))
+                logprob = -(p + 1) - d / 100 - n / 10_000
                 rows.append(
-                    {
-                        "precision": label,
-                        "length": n,
-                        "depth": d,
-                        "correct": correct,
-                        "answer_logprob": -(p + 1) - d / 100 - n / 10_000,
-                    }
+                    NeedleRow(n, d, label, "", correct, logprob, "12345", "passkey", "", n, d, 0, 5, 5, "eos", 0, 0, 0)
                 )
     return rows
 
 
-def _result() -> dict:
-    return {"precisions": PRECISIONS, "lengths": LENGTHS, "depths": DEPTHS, "rows": _rows()}
+def _result() -> NeedleGrid:
+    return NeedleGrid("m", "passkey", "filler", 0, LENGTHS, DEPTHS, PRECISIONS, _rows(), 1.0)
 
 
 def displayed_rows(fig, trace) -> list[str]:
@@ -55,8 +52,8 @@ def displayed_rows(fig, trace) -> list[str]:
 
 
 def _row_value(rows, label, n, depth, value):
-    (row,) = [r for r in rows if r["precision"] == label and r["length"] == n and r["depth"] == depth]
-    return float(row["correct"]) if value == "correct" else row["answer_logprob"]
+    (row,) = [r for r in rows if r.precision == label and r.length == n and r.depth == depth]
+    return float(row.correct) if value == "correct" else row.answer_logprob
 
 
 @pytest.mark.parametrize("value", ["correct", "answer_logprob"])
@@ -93,12 +90,29 @@ def test_needle_difference_panels_put_each_depth_on_the_same_row():
 
 def test_cells_where_full_precision_missed_are_marked():
     result = _result()
-    assert full_missed_cells(result["rows"]) == {(n, 90.0): 1 for n in LENGTHS}  # one run per cell
+    assert full_missed_cells(result.rows) == {(n, 90.0): 1 for n in LENGTHS}  # one run per cell
     for fig in (needle_heatmap_figure(result), needle_difference_figure(result)):
         for trace in fig.data:
             for depth, texts in zip(trace.y, trace.text, strict=True):
                 marked = [FULL_MISSED in t for t in texts]
                 assert marked == [depth == "90%"] * len(LENGTHS), (trace.name, depth, texts)
+
+
+def test_needle_heatmap_of_a_shipped_grid_reads_its_found_rates():
+    """The typed grid of assets/reports/needle_passkey_repeats.json: each heatmap cell is that cell's found rate
+    over its ten seeds, labelled found/runs."""
+    from kvdemo.results.needle import load_grid
+
+    grid = load_grid(Path(__file__).resolve().parent.parent / "assets" / "reports" / "needle_passkey_repeats.json")
+    fig = needle_heatmap_figure(grid)
+    assert [t.name for t in fig.data] == [None] * len(grid.precisions)  # panels are titled, not traces
+    for label, trace in zip(grid.precisions, fig.data, strict=True):
+        for i, depth in enumerate(grid.depths):
+            for j, n in enumerate(grid.lengths):
+                runs = [r for r in grid.rows if (r.precision, r.length, r.depth) == (label, n, depth)]
+                assert len(runs) == grid.repeats
+                assert trace.z[i][j] == pytest.approx(sum(r.correct for r in runs) / len(runs))
+                assert trace.text[i][j].startswith(f"{sum(r.correct for r in runs)}/{len(runs)}<br>")
 
 
 def _headroom() -> dict:

@@ -16,6 +16,23 @@ import torch
 from kvdemo import needle, runner, texts
 from kvdemo.cli import needle as needle_cli
 from kvdemo.figures.needle import FULL_MISSED, needle_difference_figure, needle_figures, needle_heatmap_figure
+from kvdemo.precision import parse_precision
+from kvdemo.progress import Cancelled
+from kvdemo.results.needle import (
+    CSV_COLUMNS,
+    NeedleGrid,
+    NeedleRow,
+    difference_line,
+    found_check,
+    found_line,
+    grid_csv,
+    load_grid,
+    paired_difference,
+    repeats_markdown,
+    save_grid,
+    summarize,
+    wilson_interval,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_NEEDLE = "The secret ingredient in the lighthouse keeper's soup is smoked paprika."
@@ -44,8 +61,8 @@ def _args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**(base | kw))
 
 
-def _row(precision: str, length: int, depth: float, correct: bool, logprob: float, seed: int = 0) -> needle.NeedleRow:
-    return needle.NeedleRow(
+def _row(precision: str, length: int, depth: float, correct: bool, logprob: float, seed: int = 0) -> NeedleRow:
+    return NeedleRow(
         length=length,
         depth=depth,
         precision=precision,
@@ -67,14 +84,18 @@ def _row(precision: str, length: int, depth: float, correct: bool, logprob: floa
     )
 
 
-def _fake_result() -> needle.NeedleResult:
+def _grid(rows: list[NeedleRow], depths: list[float], precisions: list[str], **kw) -> NeedleGrid:
+    return NeedleGrid("m", kw.pop("kind", "passkey"), "filler", 0, [1024], depths, precisions, rows, 1.0, **kw)
+
+
+def _fake_result() -> NeedleGrid:
     rows = [
         _row("full", 1024, 0.0, True, -0.1),
         _row("int4", 1024, 0.0, True, -0.3),
         _row("full", 1024, 100.0, True, -0.2),
         _row("int4", 1024, 100.0, False, -2.5),
     ]
-    return needle.NeedleResult("m", "passkey", "filler", 0, [1024], [0.0, 100.0], ["full", "int4"], rows, 1.0, "done")
+    return _grid(rows, [0.0, 100.0], ["full", "int4"])
 
 
 # --- scoring -------------------------------------------------------------------------------------------
@@ -93,7 +114,7 @@ def test_exact_match_normalisation():
 
 
 def test_summary_counts_agreement_with_full():
-    s = {r["precision"]: r for r in needle.summarize(_fake_result().rows)}
+    s = {r["precision"]: r for r in summarize(_fake_result().rows)}
     assert s["full"]["accuracy"] == 1.0 and s["full"]["agree_with_full"] == 2
     assert s["int4"]["correct"] == 1 and s["int4"]["agree_with_full"] == 1
     assert s["int4"]["mean_logprob_change"] == pytest.approx(((-0.3 + 0.1) + (-2.5 + 0.2)) / 2)
@@ -102,24 +123,24 @@ def test_summary_counts_agreement_with_full():
 def test_summary_and_cli_text_say_where_full_precision_itself_missed():
     rows = _fake_result().rows
     rows[2] = _row("full", 1024, 100.0, False, -4.0)  # full misses the depth-100 cell; int4 misses it too
-    result = needle.NeedleResult("m", "custom", "doc", 0, [1024], [0.0, 100.0], ["full", "int4"], rows, 1.0, "done")
-    s = {r["precision"]: r for r in needle.summarize(rows)}
+    result = _grid(rows, [0.0, 100.0], ["full", "int4"], kind="custom")
+    s = {r["precision"]: r for r in summarize(rows)}
     assert s["full"]["full_missed"] == 1 and s["int4"]["full_missed"] == 1
-    text = needle_cli.format_text(result.to_dict())
+    text = needle_cli.format_text(result)
     assert "full precision itself missed 1 of 2 cells" in text
 
 
 def test_wilson_interval_known_values():
-    assert needle.wilson_interval(0, 10) == pytest.approx((0.0, 0.277540), abs=1e-5)
-    assert needle.wilson_interval(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-5)
-    assert needle.wilson_interval(15, 15) == pytest.approx((0.796111, 1.0), abs=1e-5)
-    lows = [needle.wilson_interval(k, 30)[0] for k in range(31)]
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.277540), abs=1e-5)
+    assert wilson_interval(5, 10) == pytest.approx((0.23659, 0.76341), abs=1e-5)
+    assert wilson_interval(15, 15) == pytest.approx((0.796111, 1.0), abs=1e-5)
+    lows = [wilson_interval(k, 30)[0] for k in range(31)]
     assert lows == sorted(lows) and len(set(lows)) == 31  # more found, a higher floor
-    assert needle.wilson_interval(110, 150)[1] - needle.wilson_interval(110, 150)[0] < (
-        needle.wilson_interval(11, 15)[1] - needle.wilson_interval(11, 15)[0]
+    assert wilson_interval(110, 150)[1] - wilson_interval(110, 150)[0] < (
+        wilson_interval(11, 15)[1] - wilson_interval(11, 15)[0]
     )  # ten times the runs, a narrower interval
     with pytest.raises(ValueError, match="no runs"):
-        needle.wilson_interval(0, 0)
+        wilson_interval(0, 0)
 
 
 def test_summary_pairs_repeats_by_seed():
@@ -131,11 +152,11 @@ def test_summary_pairs_repeats_by_seed():
         _row("full", 1024, 50.0, False, -2.0, seed=1),
         _row("int2", 1024, 50.0, True, -0.5, seed=1),
     ]
-    s = {r["precision"]: r for r in needle.summarize(rows)}
+    s = {r["precision"]: r for r in summarize(rows)}
     assert s["int2"]["cells"] == 2 and s["int2"]["correct"] == 1 and s["int2"]["agree_with_full"] == 0
     assert s["int2"]["full_missed"] == 1
     assert s["int2"]["mean_logprob_change"] == pytest.approx(((-3.0 + 0.1) + (-0.5 + 2.0)) / 2)
-    assert (s["int2"]["found_low"], s["int2"]["found_high"]) == pytest.approx(needle.wilson_interval(1, 2), abs=1e-4)
+    assert (s["int2"]["found_low"], s["int2"]["found_high"]) == pytest.approx(wilson_interval(1, 2), abs=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -149,10 +170,10 @@ def test_summary_pairs_repeats_by_seed():
 )
 def test_found_check_judges_the_bar_by_the_interval(found, runs, verdict):
     rows = [_row("nuq2:o1", 1024, float(i), i < found, -1.0) for i in range(runs)]
-    (summary,) = needle.summarize(rows)
-    check = needle.found_check(summary, 13, 15)
+    (summary,) = summarize(rows)
+    check = found_check(summary, 13, 15)
     assert check["verdict"] == verdict and check["bar"] == "13/15" and (check["found"], check["runs"]) == (found, runs)
-    line = needle.found_line(check)
+    line = found_line(check)
     assert line.startswith(
         f"nuq2:o1 finds the needle in >= 13/15 of cells: {verdict} (found {found}/{runs} runs, 95% ["
     )
@@ -163,27 +184,27 @@ def test_paired_difference_pairs_the_same_needle_and_settles_only_with_enough_ru
         return [_row(label, 1024, 50.0, ok, -1.0, seed=s) for s, ok in zip(range(seeds), pattern * seeds, strict=False)]
 
     many = runs("nuq2:o1", [True, True, True, False], 80) + runs("int2", [True, False, False, False], 80)
-    d = needle.paired_difference(many, "nuq2:o1", "int2")
+    d = paired_difference(many, "nuq2:o1", "int2")
     assert (d["runs"], d["difference"]) == (80, 0.5) and d["low"] > 0 and d["verdict"] == "nuq2:o1 finds more"
-    assert needle.paired_difference(many, "nuq2:o1", "int2") == d  # seeded: the same draws every time
-    assert needle.paired_difference(many, "int2", "nuq2:o1")["verdict"] == "nuq2:o1 finds more"
+    assert paired_difference(many, "nuq2:o1", "int2") == d  # seeded: the same draws every time
+    assert paired_difference(many, "int2", "nuq2:o1")["verdict"] == "nuq2:o1 finds more"
     few = runs("nuq2:o1", [True, False], 4) + runs("int2", [False, True], 4)  # each finds 2, never the same needle
-    f = needle.paired_difference(few, "nuq2:o1", "int2")
+    f = paired_difference(few, "nuq2:o1", "int2")
     assert f["difference"] == 0 and f["low"] < 0 < f["high"] and f["verdict"] == "not settled by these runs"
-    assert needle.difference_line(d).startswith("nuq2:o1 against int2: found rate +50.0% (95% +")
+    assert difference_line(d).startswith("nuq2:o1 against int2: found rate +50.0% (95% +")
     with pytest.raises(ValueError, match="share no runs"):
-        needle.paired_difference(many, "nuq2:o1", "full")
-    logp = needle.paired_difference(many, "nuq2:o1", "int2", "answer_logprob")  # every run's log p is -1.0
+        paired_difference(many, "nuq2:o1", "full")
+    logp = paired_difference(many, "nuq2:o1", "int2", "answer_logprob")  # every run's log p is -1.0
     assert (logp["difference"], logp["low"], logp["high"]) == (0, 0, 0) and logp[
         "verdict"
     ] == "not settled by these runs"
     rows = [_row("k4v8", 1024, 50.0, True, -0.5 - 0.01 * s, seed=s) for s in range(40)]
     rows += [_row("k8v4", 1024, 50.0, True, -0.2, seed=s) for s in range(40)]
-    lower = needle.paired_difference(rows, "k4v8", "k8v4", "answer_logprob")
+    lower = paired_difference(rows, "k4v8", "k8v4", "answer_logprob")
     assert lower["high"] < 0 and lower["verdict"] == "k8v4 gives the answer a higher log p"
-    assert needle.difference_line(lower).startswith("k4v8 against k8v4: answer log p -0.495 nats (95% -0.")
+    assert difference_line(lower).startswith("k4v8 against k8v4: answer log p -0.495 nats (95% -0.")
     with pytest.raises(ValueError, match="unknown value"):
-        needle.paired_difference(rows, "k4v8", "k8v4", "seconds")
+        paired_difference(rows, "k4v8", "k8v4", "seconds")
 
 
 def test_repeats_in_the_text_report_and_figures():
@@ -195,26 +216,52 @@ def test_repeats_in_the_text_report_and_figures():
         _row("full", 1024, 0.0, True, -0.3, seed=2),
         _row("int2", 1024, 0.0, False, -2.0, seed=2),
     ]
-    result = needle.NeedleResult("m", "passkey", "filler", 0, [1024], [0.0], ["full", "int2"], rows, 1.0, "done")
-    result.repeats = 3
-    out = result.to_dict()
+    result = _grid(rows, [0.0], ["full", "int2"], repeats=3)
+    out = result.to_json()
     assert out["repeats"] == 3 and [r["seed"] for r in out["rows"]] == [0, 0, 1, 1, 2, 2]
-    text = needle_cli.format_text(out)
+    text = needle_cli.format_text(result)
     assert "seeds: 0..2" in text and "2/3" in text and "1/3" in text  # full found 2 of 3, int2 1 of 3
     assert "full precision itself missed 1 of 3 runs" in text
     assert "vs full, same needles: int2 against full: found rate -33.3% (95% " in text
-    heat = needle_heatmap_figure(out)
+    heat = needle_heatmap_figure(result)
     assert heat.data[0].z[0][0] == pytest.approx(2 / 3) and heat.data[1].z[0][0] == pytest.approx(1 / 3)
     assert heat.data[1].text[0][0] == f"1/3<br>-2.00<br>({FULL_MISSED} 1)"
-    diff = needle_difference_figure(out)  # same seed against same seed
+    diff = needle_difference_figure(result)  # same seed against same seed
     assert diff.data[0].z[0][0] == pytest.approx(((-1.0 + 0.1) + (-3.0 + 2.0) + (-2.0 + 0.3)) / 3)
-    correct = needle_difference_figure(out, value="correct")
+    correct = needle_difference_figure(result, value="correct")
     assert correct.data[0].z[0][0] == pytest.approx((0 + 0 - 1) / 3)
-    table = needle_cli.repeats_markdown(out).split("\n")
+    table = repeats_markdown(result.rows, result.repeats).split("\n")
     assert table[0].startswith("| precision | found, 3 grids | 95% interval | one grid: fewest..most |")
-    low, high = (round(v, 4) for v in needle.wilson_interval(1, 3))  # as the summary keeps them
+    low, high = (round(v, 4) for v in wilson_interval(1, 3))  # as the summary keeps them
     assert table[3] == f"| int2 | 1/3 | {low:.1%}..{high:.1%} | 0/1..1/1 | -2.000 | -1.200 |"
     assert table[2].startswith("| full | 2/3 |") and table[2].endswith("| -0.800 |  |")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "assets" / "reports").glob("needle_*.json")), ids=lambda p: p.name)
+def test_shipped_grids_round_trip(path):
+    """Every shipped needle report reads as a NeedleGrid and writes back the same JSON, key order included (the
+    older ones: no seeds, no repeats, no intervals in their summaries)."""
+    data = json.loads(path.read_text())
+    grid = NeedleGrid.from_json(data)
+    assert grid.to_json() == data and list(grid.to_json()) == list(data)
+    assert len(grid.rows) == grid.planned_runs and grid.stopped == "done"
+
+
+def test_a_cancelled_grid_keeps_its_settings_and_summarizes_its_rows():
+    from kvdemo.results.needle import partial_grid
+
+    planned = _grid([], [0.0, 100.0], ["full", "int4"], repeats=2)
+    partial = partial_grid(NeedleGrid.from_json(planned.to_json()), _fake_result().rows[:3], 2.5)
+    assert (partial.stopped, partial.planned_runs, len(partial.rows)) == ("cancelled", 8, 3)
+    assert partial.summary == summarize(partial.rows) and partial.summary[1]["cells"] == 1
+
+
+def test_multikey_texts_are_rulers():
+    m = needle.make_task("multikey", random.Random(5))
+    assert m.instruction == needle.MULTIKEY_INSTRUCTION == needle.INSTRUCTIONS["multikey"]
+    assert m.question == needle.MULTIKEY_QUESTION.format(key=m.key)
+    assert m.answer_prefix == needle.MULTIKEY_LEAD_IN.format(key=m.key)
+    assert m.needle == needle.MULTIKEY_NEEDLE.format(key=m.key, value=m.answer)
 
 
 # --- text handling -------------------------------------------------------------------------------------
@@ -296,21 +343,23 @@ def test_cli_settings_fail_before_loading_the_model(kw, message):
         needle_cli.run_cli(_args(**kw))
 
 
-def test_save_results_json_and_csv(tmp_path):
+def test_save_grid_json_and_csv(tmp_path):
     result = _fake_result()
-    paths = needle.save_results(result, tmp_path / "out")
+    paths = save_grid(result, tmp_path / "out")
     data = json.loads(Path(paths["json"]).read_text())
     assert data["rows"][3]["correct"] is False and data["summary"][1]["precision"] == "int4"
+    assert load_grid(paths["json"]) == result  # the file reads back as the grid it was written from
     with open(paths["csv"], newline="") as f:
         lines = list(csv.DictReader(f))
-    assert len(lines) == 4 and list(lines[0]) == needle.CSV_COLUMNS
+    assert len(lines) == 4 and list(lines[0]) == CSV_COLUMNS
     assert lines[3]["precision"] == "int4" and float(lines[3]["answer_logprob"]) == -2.5
-    text = needle_cli.format_text(result.to_dict())
+    assert Path(paths["csv"]).read_bytes() == grid_csv(result).encode()  # the page's download is the same file
+    text = needle_cli.format_text(result)
     assert "== int4" in text and "MISS" in text and "1/2" in text
 
 
-def test_figures_from_rows():
-    out = _fake_result().to_dict()
+def test_figures_from_a_grid():
+    out = _fake_result()
     heat, diff, curve = needle_figures(out)
     assert [t.type for t in heat.data] == ["heatmap", "heatmap"]
     assert [list(r) for r in heat.data[1].z] == [[1.0], [0.0]]  # int4: found at depth 0, missed at depth 100
@@ -319,7 +368,7 @@ def test_figures_from_rows():
     assert [t.name for t in curve.data] == ["full", "int4"]
     assert needle_heatmap_figure(out, "answer_prob").data[0].z[0][0] == pytest.approx(0.904837, abs=1e-5)
     with pytest.raises(ValueError, match="no 'full' rows"):
-        needle_difference_figure(out["rows"][1::2])
+        needle_difference_figure(_grid(out.rows[1::2], [0.0, 100.0], ["int4"]))
 
 
 # --- prompts on the embedded model's tokenizer ---------------------------------------------------------
@@ -422,11 +471,12 @@ def test_transplant_equals_a_direct_prefill(lm, spec):
 @pytest.mark.model
 def test_tiny_grid_end_to_end(lm, tmp_path):
     seen = []
-    result = needle.run_grid(
-        lm, [256], [0, 100], "int4", kind="passkey", on_progress=lambda d, t, r: seen.append((d, t, r.precision))
-    )
+    result = needle.run_grid(lm, [256], [0, 100], "int4", kind="passkey", on_progress=seen.append)
     assert result.precisions == ["full", "int4"] and result.stopped == "done"  # full precision is always a row
-    assert [s[:2] for s in seen] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    rows = [p for p in seen if p.row is not None]  # a cell's prefill is reported too, without a row
+    assert [(p.done, p.total, p.unit) for p in rows] == [(n, 1024, "tokens") for n in (256, 512, 768, 1024)]
+    assert [p.row.precision for p in rows] == ["int4", "full", "int4", "full"]  # full reuses the prefilled cache
+    assert needle.work_tokens([256], [0, 100], "int4") == 1024
     assert [(r.depth, r.precision) for r in result.rows] == [(0, "full"), (0, "int4"), (100, "full"), (100, "int4")]
     for r in result.rows:
         assert 253 <= r.prompt_tokens <= 256 and r.answer_tokens == 5 and r.expected.isdigit()
@@ -437,7 +487,7 @@ def test_tiny_grid_end_to_end(lm, tmp_path):
         by_cell.setdefault(r.depth, set()).add((r.prefill_s, r.prompt_tokens, r.needle_position))
     assert all(len(v) == 1 for v in by_cell.values())  # one shared prefill and prompt per cell
     assert any(r.correct for r in result.rows if r.precision == "full")  # the passkey is found at 256 tokens
-    paths = needle.save_results(result, tmp_path)
+    paths = save_grid(result, tmp_path)
     assert json.loads(Path(paths["json"]).read_text())["rows"][0]["precision"] == "full"
     assert len(needle_figures(result)) == 3
 
@@ -447,7 +497,7 @@ def test_logprob_matches_a_direct_forward(lm):
     rng = needle.cell_rng(5, 300, 50)
     task = needle.make_task("passkey", rng)
     p = needle.build_prompt(lm, task, needle.FILLER, 300, 50, rng, " ")
-    (row,) = needle.run_cell(lm, task, p, [needle.parse_precision("full")])
+    (row,) = needle.run_cell(lm, task, p, [parse_precision("full")])
     with torch.no_grad():
         logits = lm.model(input_ids=torch.tensor([p.ids + p.answer_ids])).logits[0].float()  # [T + k, V]
     lp = torch.log_softmax(logits[len(p.ids) - 1 : -1], -1)  # predictions of the answer tokens
@@ -460,11 +510,15 @@ def test_logprob_matches_a_direct_forward(lm):
 @pytest.mark.model
 def test_cancel_and_bad_lengths(lm):
     calls = []
-    result = needle.run_grid(
-        lm, [256], [50], "full,int8", on_progress=lambda d, t, r: calls.append(d), should_stop=lambda: bool(calls)
-    )
-    assert result.stopped == "cancelled" and len(calls) == len(result.rows) == 1  # the rows done are kept
-    assert result.rows[0].precision == "int8"  # quantized rows run first: full reuses the prefilled cache
+
+    def on_progress(p):
+        if p.row is not None:
+            calls.append(p.row)
+
+    with pytest.raises(Cancelled) as stopped:
+        needle.run_grid(lm, [256], [50], "full,int8", on_progress=on_progress, should_stop=lambda: bool(calls))
+    assert stopped.value.partial == calls and len(calls) == 1  # the rows done are kept
+    assert calls[0].precision == "int8"  # quantized rows run first: full reuses the prefilled cache
     with pytest.raises(ValueError, match="context"):
         needle.run_grid(lm, [lm.max_context], [50], "int4")
     with pytest.raises(ValueError, match="outside 0..100"):
@@ -479,19 +533,19 @@ def test_repeats_run_new_needles_seed_by_seed(lm):
     hides another passkey at the same cells."""
     one = needle.run_grid(lm, [200], [0, 100], "int4", seed=3)
     seen = []
-    two = needle.run_grid(lm, [200], [0, 100], "int4", seed=3, repeats=2, on_progress=lambda d, t, r: seen.append(t))
-    assert two.repeats == 2 and two.to_dict()["repeats"] == 2 and set(seen) == {8}
+    two = needle.run_grid(lm, [200], [0, 100], "int4", seed=3, repeats=2, on_progress=lambda p: seen.append(p.total))
+    assert two.repeats == 2 and two.to_json()["repeats"] == 2 and set(seen) == {200 * 2 * 2 * 2}
     assert [(r.seed, r.depth, r.precision) for r in two.rows] == [
         (s, d, p) for s in (3, 4) for d in (0, 100) for p in ("full", "int4")
     ]  # seed by seed: a cancelled run holds whole grids first
     timing = {"prefill_s", "seconds"}
 
     def same(r):
-        return {k: v for k, v in r.to_dict().items() if k not in timing}
+        return {k: v for k, v in r.to_json().items() if k not in timing}
 
     assert [same(r) for r in two.rows[:4]] == [same(r) for r in one.rows]
     assert {r.expected for r in two.rows[:4]}.isdisjoint({r.expected for r in two.rows[4:]})
-    (full, int4) = needle.summarize(two.rows)
+    (full, int4) = summarize(two.rows)
     assert full["cells"] == int4["cells"] == 4
 
 

@@ -1,4 +1,4 @@
-"""Prefill modes end to end (issue 19): `exact` is today's needle path bit for bit, `chunked` differs once
+"""Prefill modes end to end: `exact` is today's needle path bit for bit, `chunked` differs once
 the prompt spans more than one chunk (a 64-token chunk here, so ~300-token prompts span several), the chat
 lanes store a document the way `runner.prefill` does in each mode, the CLI and pages expose both, and the
 Memory page measures headroom with real caches."""
@@ -17,6 +17,8 @@ from kvdemo.chat.session import ChatSession
 from kvdemo.cli import build_parser, main
 from kvdemo.drift import document_prompt, run_drift
 from kvdemo.figures.memory import headroom_batch_speed_figure, headroom_measured_figure
+from kvdemo.needle.run import _AnswerStop
+from kvdemo.results.prefill_modes import PrefillModesReport, headlines, load_report, summary_rows
 from kvdemo.texts import prose
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +37,7 @@ def small_chunk(monkeypatch):
 @pytest.mark.model
 def test_exact_is_todays_needle_path_bit_for_bit_and_chunked_differs(lm, small_chunk):
     cell = prefill_modes.needle_modes(lm, [SPEC], 300, 50, "passkey", seed=3)
-    assert cell["chunks"] > 1 and cell["context_tokens"] > 4 * CHUNK
+    assert cell.chunks > 1 and cell.context_tokens > 4 * CHUNK
     # today's path from its parts: one full-precision prefill, transplanted, then suffix + answer
     rng = needle.cell_rng(3, 300, 50.0)
     task = needle.make_task("passkey", rng)
@@ -45,30 +47,34 @@ def test_exact_is_todays_needle_path_bit_for_bit_and_chunked_differs(lm, small_c
     runner.prefill(lm, ctx, full, chunk=len(ctx))
     expected = {}
     for label, cache in ((SPEC, needle.transplant(lm, full, SPEC)), ("full", full)):
-        stop = needle._AnswerStop(True, None)
+        stop = _AnswerStop(True, None)
         logprob, tokens, _ = needle.score_and_answer(lm, cache, suffix, prompt.answer_ids, task.max_new_tokens, stop)
         expected[label] = (round(logprob, 4), lm.tokenizer.decode(tokens, skip_special_tokens=True).strip())
-    exact = {r["precision"]: (r["answer_logprob"], r["answer"]) for r in cell["rows"]["exact"]}
+    exact = {r.precision: (r.answer_logprob, r.answer) for r in cell.rows["exact"]}
     assert exact == expected
     # and the grid (default exact) gives the same rows for this cell
     grid = needle.run_grid(lm, [300], [50], SPEC, kind="passkey", seed=3)
     assert {r.precision: (r.answer_logprob, r.answer) for r in grid.rows} == expected
-    assert grid.to_dict()["prefill_mode"] == "exact"
-    (r,) = cell["results"]
+    assert grid.to_json()["prefill_mode"] == "exact"
+    (r,) = cell.results
     assert r["exact"]["answer_logprob"] == expected[SPEC][0]
     assert r["chunked"]["answer_logprob"] != r["exact"]["answer_logprob"]  # errors compound across chunks
     assert r["chunked_vs_exact"] == pytest.approx(r["chunked"]["answer_logprob"] - r["exact"]["answer_logprob"])
-    rows = prefill_modes.summary_rows(cell=cell)
+    rows = summary_rows(cell=cell)
     assert rows[0]["log p chunked - exact"] == r["chunked_vs_exact"]
-    assert any("chunked minus exact" in line for line in prefill_modes.headlines(cell=cell))
+    assert any("chunked minus exact" in line for line in headlines(cell, CHUNK))
 
 
 @pytest.mark.model
 def test_one_chunk_prompts_are_the_same_in_both_modes(lm):
-    cell = prefill_modes.needle_modes(lm, [SPEC], 200, 50, "passkey")  # 2,048-token chunk: one chunk
-    (r,) = cell["results"]
-    assert cell["chunks"] == 1 and r["chunked"] == r["exact"] and r["chunked_vs_exact"] == 0
-    assert any("one prefill chunk" in line for line in prefill_modes.headlines(cell=cell))
+    seen = []
+    cell = prefill_modes.needle_modes(lm, [SPEC], 200, 50, "passkey", on_progress=seen.append)  # one 2,048 chunk
+    (r,) = cell.results
+    assert cell.chunks == 1 and r["chunked"] == r["exact"] and r["chunked_vs_exact"] == 0
+    assert any("one prefill chunk" in line for line in headlines(cell, runner.PREFILL_CHUNK))
+    rows = [p for p in seen if p.row is not None]  # tokens of work: the cell at full, then SPEC in each mode
+    assert [(p.done, p.total, p.unit) for p in rows] == [(n, 600, "tokens") for n in (200, 400, 600)]
+    assert [p.row.precision for p in rows] == [SPEC, "full", SPEC] and prefill_modes.needle_work_tokens(200, 1) == 600
     with pytest.raises(ValueError, match="quantized precision"):
         prefill_modes.needle_modes(lm, ["full"], 200)
     with pytest.raises(needle.NeedleError, match="must fit the model's context"):
@@ -78,17 +84,38 @@ def test_one_chunk_prompts_are_the_same_in_both_modes(lm):
 @pytest.mark.model
 def test_drift_modes_share_one_reference_and_chunked_is_todays_drift(lm, small_chunk):
     prompt = document_prompt(lm, prose()[:1000])  # ~250 tokens: 4 chunks of 64
-    out = prefill_modes.drift_modes(lm, prompt, [SPEC], new_tokens=2)
-    (r,) = out["results"]
-    assert out["chunks"] > 1 and r["exact"]["coded_keys"] > 0
-    today = run_drift(lm, prompt, [SPEC], 2)["results"][0]  # the drift default: chunked
-    assert r["chunked"]["mean_js"] == today["mean_js"] and r["chunked"]["logit_kl_mean"] == pytest.approx(
-        sum(today["logit_kl"]) / len(today["logit_kl"]), rel=0, abs=0
+    seen = []
+    out = prefill_modes.drift_modes(lm, prompt, [SPEC], new_tokens=2, on_progress=seen.append)
+    work = (len(prompt) + 2) * 3  # tokens of work: the reference, then SPEC in each mode
+    assert {(p.total, p.unit) for p in seen} == {(work, "tokens")} and (seen[-1].done, seen[-1].what) == (
+        work,
+        "chunked: " + SPEC,
     )
-    exact = run_drift(lm, prompt, [SPEC], 2, prefill_mode="exact")["results"][0]
-    assert r["exact"]["mean_js"] == exact["mean_js"]
+    assert [p.done for p in seen] == sorted(p.done for p in seen)  # the count only grows
+    (r,) = out.results
+    assert out.chunks > 1 and r["exact"]["coded_keys"] > 0
+    today = run_drift(lm, prompt, [SPEC], 2).results[0]  # the drift default: chunked
+    assert r["chunked"]["mean_js"] == today.mean_js and r["chunked"]["logit_kl_mean"] == pytest.approx(
+        sum(today.logit_kl) / len(today.logit_kl), rel=0, abs=0
+    )
+    exact = run_drift(lm, prompt, [SPEC], 2, prefill_mode="exact").results[0]
+    assert r["exact"]["mean_js"] == exact.mean_js
     assert r["chunked"]["mean_js"] != r["exact"]["mean_js"]
     assert r["chunked_over_exact"]["mean_js"] == pytest.approx(r["chunked"]["mean_js"] / r["exact"]["mean_js"])
+
+
+def test_shipped_report_round_trips():
+    """assets/reports/prefill_modes.json reads as a PrefillModesReport and writes back the same file, byte for
+    byte (its summary recomputed from the two parts)."""
+    path = ROOT / "assets" / "reports" / "prefill_modes.json"
+    report = load_report(path)
+    assert json.dumps(report.to_json(), indent=2) + "\n" == path.read_text()
+    assert isinstance(report, PrefillModesReport) and report.needle.rows["chunked"][0].seed is None  # before seeds
+    assert report.needle.title() == "passkey in filler, 7,997 tokens (4 prefill chunks), depth 50%, seed 0"
+    lines = headlines(report.drift, report.chunk)
+    assert lines == [
+        "int4: mean attention JS exact 0.00205, chunked 0.00237; mean logit KL exact 0.00977, chunked 0.015 (1.54x)"
+    ]
 
 
 # --- chat ---------------------------------------------------------------------------------------------
@@ -136,7 +163,7 @@ def test_cli_prefill_modes_json_and_errors(small_chunk, capsys, tmp_path):
     )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == json.loads(out_file.read_text())
+    assert out == json.loads(out_file.read_text()) == load_report(out_file).to_json()
     assert out["chunk"] == CHUNK and out["needle"]["chunks"] > 1 and out["drift"]["chunks"] > 1
     assert out["summary"][0]["precision"] == SPEC and set(out["modes"]) == {"exact", "chunked"}
     assert out["provenance"]["command"].startswith("python -m kvdemo prefill-modes --tokens 260")
@@ -208,13 +235,13 @@ def test_needle_and_drift_pages_choose_and_compare_prefill_modes(small_chunk):
     at.button(key="needle_compare").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     cell = at.session_state["needle_modes_result"]
-    assert cell["chunks"] > 1 and cell["results"][0]["precision"] == "int4"
+    assert cell.chunks > 1 and cell.results[0]["precision"] == "int4"
     assert any("chunked minus exact" in m.value for m in at.markdown)
     at.radio(key="needle_prefill_mode").set_value("chunked")
     at.button(key="needle_run").click().run()
-    assert at.session_state["needle_result"]["prefill_mode"] == "chunked"
-    rows = {r["precision"]: r for r in at.session_state["needle_result"]["rows"]}
-    assert rows["int4"]["answer_logprob"] == cell["results"][0]["chunked"]["answer_logprob"]
+    assert at.session_state["needle_result"].prefill_mode == "chunked"
+    rows = {r.precision: r for r in at.session_state["needle_result"].rows}
+    assert rows["int4"].answer_logprob == cell.results[0]["chunked"]["answer_logprob"]
 
     at.switch_page("app_pages/drift.py").run()
     assert at.radio(key="drift_prefill_mode").value == "chunked"
@@ -224,7 +251,7 @@ def test_needle_and_drift_pages_choose_and_compare_prefill_modes(small_chunk):
     at.button(key="drift_compare").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     modes = at.session_state["drift_modes_result"]
-    assert modes["chunks"] > 1 and modes["results"][0]["chunked"]["mean_js"] != modes["results"][0]["exact"]["mean_js"]
+    assert modes.chunks > 1 and modes.results[0]["chunked"]["mean_js"] != modes.results[0]["exact"]["mean_js"]
     tables = [d.value for d in at.dataframe if "JS chunked/exact" in d.value.columns]
     assert len(tables) == 1 and list(tables[0]["precision"]) == ["int4"]
 

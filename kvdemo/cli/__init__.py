@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(out, str):
         print(out)
     elif getattr(args, "json", False) or getattr(args, "text", None) is None:
+        out = out.to_json() if hasattr(out, "to_json") else out  # a typed result (kvdemo/results/) prints as its JSON
         print(json.dumps(out, indent=2, default=str))
     else:
         print(args.text(out))

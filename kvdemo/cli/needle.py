@@ -5,18 +5,8 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from ..needle import (
-    MAX_REPEATS,
-    NeedleError,
-    _specs_with_full,
-    cell_rng,
-    difference_line,
-    differences_from_full,
-    make_task,
-    parse_numbers,
-    run_grid,
-    save_results,
-)
+from ..needle import MAX_REPEATS, NeedleError, cell_rng, make_task, parse_numbers, run_grid, specs_with_full
+from ..results.needle import NeedleGrid, NeedleRow, difference_line, differences_from_full, full_missed, save_grid
 from .markdown import paired_markdown
 
 
@@ -31,13 +21,13 @@ def read_document(path: str) -> tuple[str, str]:
     return doc.name, doc.text
 
 
-def run_cli(args) -> dict:
+def run_cli(args) -> NeedleGrid:
     """`python -m kvdemo needle --precision ... --lengths ... --depths ... --kind ... [--haystack-file F]
     [--needle T --question T --answer T] [--seed N] [--repeats R] [--out DIR] [--prefill-mode exact|chunked]`."""
     from ..bench import machine_info
     from ..models import load_model
 
-    specs = _specs_with_full(args.precision)
+    specs = specs_with_full(args.precision)
     lengths = parse_numbers(args.lengths, "--lengths", int)
     depths = parse_numbers(args.depths, "--depths", float)
     for d in depths:
@@ -55,7 +45,7 @@ def run_cli(args) -> dict:
         from ..codebooks import from_file
 
         books = from_file(lm, args.codebooks)
-    result = run_grid(
+    grid = run_grid(
         lm,
         lengths,
         depths,
@@ -71,15 +61,14 @@ def run_cli(args) -> dict:
         codebooks=books,
         repeats=args.repeats,
     )
-    out = result.to_dict()
-    out["provenance"] = {
+    grid.provenance = {
         "command": _command(args),
         "date": datetime.date.today().isoformat(),
         "machine": machine_info(lm),
     }
     if args.out:
-        out["files"] = save_results(out, args.out)  # with its provenance
-    return out
+        grid.files = save_grid(grid, args.out)  # the files hold the provenance
+    return grid
 
 
 def _command(args) -> str:
@@ -100,73 +89,50 @@ def _command(args) -> str:
     return " ".join(parts)
 
 
-def codebooks_markdown(own: dict, other: dict, own_name: str = "own", other_name: str = "other") -> str:
-    """The quantized precisions of `other` (a `needle --codebooks FILE` report) beside the same precisions in
+def codebooks_markdown(own: NeedleGrid, other: NeedleGrid, own_name: str = "own", other_name: str = "other") -> str:
+    """The quantized precisions of `other` (a `needle --codebooks FILE` grid) beside the same precisions in
     `own` (the same grid with the model's own codebooks): cells found and mean answer log-prob under each."""
     measures = [
         ("found", lambda s: f"{s['correct']}/{s['cells']}"),
         ("mean log p", lambda s: f"{s['mean_answer_logprob']:.3f}"),
     ]
-    return paired_markdown(own["summary"], other["summary"], measures, own_name, other_name)
+    return paired_markdown(own.summary, other.summary, measures, own_name, other_name)
 
 
 def _depth_label(d: float) -> str:
     return f"{d:g}%"
 
 
-def repeats_markdown(out: dict) -> str:
-    """A `needle --repeats R` report as a table: per precision its found count over all runs with the 95%
-    Wilson interval, the fewest and most found in one seed's grid, the mean answer log-prob and its change
-    vs full precision."""
-    lines = [
-        f"| precision | found, {out['repeats']} grids | 95% interval | one grid: fewest..most | mean log p | vs full |",
-        "|---|---|---|---|---|---|",
-    ]
-    per_grid: dict[tuple[str, int], int] = {}
-    for r in out["rows"]:
-        key = (r["precision"], r.get("seed", 0))
-        per_grid[key] = per_grid.get(key, 0) + r["correct"]
-    for s in out["summary"]:
-        counts = [n for (p, _), n in per_grid.items() if p == s["precision"]]
-        cells = s["cells"] // out["repeats"]
-        change = "" if s["precision"] == "full" else f"{s['mean_logprob_change']:+.3f}"
-        lines.append(
-            f"| {s['precision']} | {s['correct']}/{s['cells']} | {s['found_low']:.1%}..{s['found_high']:.1%} | "
-            f"{min(counts)}/{cells}..{max(counts)}/{cells} | {s['mean_answer_logprob']:.3f} | {change} |"
-        )
-    return "\n".join(lines)
-
-
-def _cell_text(runs: list[dict]) -> str:
+def _cell_text(runs: list[NeedleRow]) -> str:
     """A grid cell: ok/MISS and log p for one run; found/runs and the mean log p for repeats."""
-    logp = sum(r["answer_logprob"] for r in runs) / len(runs)
+    logp = sum(r.answer_logprob for r in runs) / len(runs)
     if len(runs) == 1:
-        return f"{'ok' if runs[0]['correct'] else 'MISS':>6} {logp:>9.3f}"
-    return f"{sum(r['correct'] for r in runs):>3}/{len(runs):<3}{logp:>9.3f}"
+        return f"{'ok' if runs[0].correct else 'MISS':>6} {logp:>9.3f}"
+    return f"{sum(r.correct for r in runs):>3}/{len(runs):<3}{logp:>9.3f}"
 
 
-def format_text(out: dict) -> str:
+def format_text(grid: NeedleGrid) -> str:
     """Per precision, a depth x length grid of pass/fail (found/runs with repeats) and answer log-prob (the
     mean with repeats), then the summary with each found rate's 95% interval."""
-    repeats = out.get("repeats", 1)
-    seeds = f"seed: {out['seed']}" if repeats == 1 else f"seeds: {out['seed']}..{out['seed'] + repeats - 1}"
+    repeats = grid.runs_per_cell
+    seeds = f"seed: {grid.seed}" if repeats == 1 else f"seeds: {grid.seed}..{grid.seed + repeats - 1}"
     lines = [
-        f"model: {out['model']}  needle: {out['kind']}  haystack: {out['haystack']}  {seeds}  "
-        f"prefill: {out.get('prefill_mode', 'exact')}  "
-        f"({len(out['rows'])} runs, {out['seconds']:.1f} s{', cancelled' if out['stopped'] == 'cancelled' else ''})",
+        f"model: {grid.model}  needle: {grid.kind}  haystack: {grid.haystack}  {seeds}  "
+        f"prefill: {grid.prefill_mode}  "
+        f"({len(grid.rows)} runs, {grid.seconds:.1f} s{', cancelled' if grid.stopped == 'cancelled' else ''})",
         "cells: ok/MISS (found/runs with repeats) and log p(true answer); depth down, prompt length in tokens across",
     ]
-    cells: dict[tuple, list[dict]] = {}
-    for r in out["rows"]:
-        cells.setdefault((r["precision"], r["length"], r["depth"]), []).append(r)
-    for label in out["precisions"]:
+    cells: dict[tuple, list[NeedleRow]] = {}
+    for r in grid.rows:
+        cells.setdefault((r.precision, r.length, r.depth), []).append(r)
+    for label in grid.precisions:
         lines.append(f"\n== {label}")
-        lines.append(f"{'depth':>7}" + "".join(f"{n:>16}" for n in out["lengths"]))
-        for d in out["depths"]:
-            runs = [cells.get((label, n, d)) for n in out["lengths"]]
+        lines.append(f"{'depth':>7}" + "".join(f"{n:>16}" for n in grid.lengths))
+        for d in grid.depths:
+            runs = [cells.get((label, n, d)) for n in grid.lengths]
             lines.append(f"{_depth_label(d):>7}" + "".join(f"{'' if r is None else _cell_text(r):>16}" for r in runs))
     lines.append(f"\n{'precision':<14}{'found':>9}{'95% interval':>16}{'mean logp':>11}{'vs full':>10}{'agree':>10}")
-    for s in out["summary"]:
+    for s in grid.summary:
         change = "" if s["mean_logprob_change"] is None else f"{s['mean_logprob_change']:+.3f}"
         agree = "" if s["agree_with_full"] is None else f"{s['agree_with_full']}/{s['cells']}"
         interval = f"[{s['found_low']:.0%}, {s['found_high']:.0%}]" if "found_low" in s else ""
@@ -175,17 +141,16 @@ def format_text(out: dict) -> str:
             f"{s['precision']:<14}{found:>9}{interval:>16}{s['mean_answer_logprob']:>11.3f}{change:>10}{agree:>10}"
         )
     if repeats > 1:
-        lines += [f"vs full, same needles: {difference_line(d)}" for d in differences_from_full(out["rows"])]
-    full = [r for r in out["rows"] if r["precision"] == "full"]
-    missed = sum(not r["correct"] for r in full)
+        lines += [f"vs full, same needles: {difference_line(d)}" for d in differences_from_full(grid.rows)]
+    missed, runs = full_missed(grid.rows)
     if missed:
         lines.append(
-            f"note: full precision itself missed {missed} of {len(full)} {'cells' if repeats == 1 else 'runs'}: "
+            f"note: full precision itself missed {missed} of {runs} {'cells' if repeats == 1 else 'runs'}: "
             "there a quantized miss says "
             "nothing about quantization (compare log p instead, or use a stronger --model)"
         )
-    for note in out.get("notes", []):
+    for note in grid.notes:
         lines.append(f"note: {note}")
-    if out.get("files"):
-        lines.append(f"saved: {out['files']['json']}, {out['files']['csv']}")
+    if grid.files:
+        lines.append(f"saved: {grid.files['json']}, {grid.files['csv']}")
     return "\n".join(lines)

@@ -3,16 +3,21 @@ chunked (kvdemo.prefill_modes.compare_prefill_modes), and its text report."""
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
 from ..precision import parse_precision_list
 from ..prefill_modes import compare_prefill_modes
+from ..progress import Progress
+from ..results.prefill_modes import PrefillModesReport, save_report
 
 
-def run_cli(args) -> dict:
+def _say(p: Progress) -> None:
+    print(f"running {p.text()}", file=sys.stderr)
+
+
+def run_cli(args) -> PrefillModesReport:
     """`python -m kvdemo prefill-modes --tokens N --precision int4,int2 [--kind K] [--depth D] [--out F]`."""
     from ..bench import machine_info
     from ..models import load_model
@@ -28,7 +33,7 @@ def run_cli(args) -> dict:
     command = f"python -m kvdemo prefill-modes --tokens {args.tokens} --precision {args.precision} --kind {args.kind}"
     command += f" --depth {args.depth:g} --seed {args.seed} --new-tokens {args.new_tokens}"
     machine = machine_info(lm)
-    out = compare_prefill_modes(
+    report = compare_prefill_modes(
         lm,
         args.tokens,
         specs,
@@ -37,40 +42,38 @@ def run_cli(args) -> dict:
         seed=args.seed,
         new_tokens=args.new_tokens,
         document=args.document,
-        on_progress=lambda what: print(f"running {what}", file=sys.stderr),
+        on_progress=_say,
     )
-    out["provenance"] = {
+    report.provenance = {
         "command": command + (f" --document {args.document}" if args.document else ""),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine,
     }
     if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
-    return out
+        save_report(report, args.out)
+    return report
 
 
-def format_text(out: dict) -> str:
-    cell, drift = out["needle"], out["drift"]
+def format_text(report: PrefillModesReport) -> str:
+    cell, drift = report.needle, report.drift
     lines = [
-        f"model: {out['model']} ({out['device']}, {out['dtype']})  prefill chunk: {out['chunk']} tokens",
-        *(f"  {mode}: {text}" for mode, text in out["modes"].items()),
-        f"\nneedle: {cell['kind']} in {cell['haystack']}, {cell['prompt_tokens']} tokens ({cell['chunks']} chunks), "
-        f"depth {cell['depth']:g}%, answer {cell['expected']!r}",
+        f"model: {report.model} ({report.device}, {report.dtype})  prefill chunk: {report.chunk} tokens",
+        *(f"  {mode}: {text}" for mode, text in report.modes.items()),
+        f"\nneedle: {cell.kind} in {cell.haystack}, {cell.prompt_tokens} tokens ({cell.chunks} chunks), "
+        f"depth {cell.depth:g}%, answer {cell.expected!r}",
         f"{'precision':<14}{'log p full':>11}{'exact':>10}{'chunked':>10}{'chunked-exact':>15}  found full/exact/chunked",
     ]
-    for r in cell["results"]:
+    for r in cell.results:
         found = "/".join("yes" if r[m]["correct"] else "no" for m in ("full", "exact", "chunked"))
         lines.append(
             f"{r['precision']:<14}{r['full']['answer_logprob']:>11.4f}{r['exact']['answer_logprob']:>10.4f}"
             f"{r['chunked']['answer_logprob']:>10.4f}{r['chunked_vs_exact']:>+15.4f}  {found}"
         )
     lines += [
-        f"\ndrift: {drift['prompt_tokens']}-token prompt ({drift['chunks']} chunks), {drift['new_tokens']} queries",
+        f"\ndrift: {drift.prompt_tokens}-token prompt ({drift.chunks} chunks), {drift.new_tokens} queries",
         f"{'precision':<14}{'JS exact':>11}{'chunked':>11}{'ratio':>8}{'KL exact':>11}{'chunked':>11}{'ratio':>8}",
     ]
-    for r in drift["results"]:
+    for r in drift.results:
         e, c, q = r["exact"], r["chunked"], r["chunked_over_exact"]
 
         def ratio(x):
@@ -80,6 +83,6 @@ def format_text(out: dict) -> str:
             f"{r['precision']:<14}{e['mean_js']:>11.2e}{c['mean_js']:>11.2e}{ratio(q['mean_js']):>8}"
             f"{e['logit_kl_mean']:>11.2e}{c['logit_kl_mean']:>11.2e}{ratio(q['logit_kl_mean']):>8}"
         )
-    if cell["chunks"] == 1:
+    if cell.chunks == 1:
         lines.append("note: the prompt fits one prefill chunk: both modes store it the same way")
     return "\n".join(lines)

@@ -1,50 +1,47 @@
-"""Needle in a haystack: heatmaps and difference maps of a needle grid."""
+"""Needle in a haystack: heatmaps and difference maps of a `NeedleGrid` (kvdemo/results/needle.py)."""
+
+import math
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..results.needle import cell_key
+from ..results.needle import NeedleGrid, NeedleRow, cell_key
 from . import set_title
 
 _NEEDLE_SCALE = [[0.0, "#F0496E"], [0.5, "#EBB839"], [1.0, "#0CD79F"]]  # as the well-known needle heatmaps
 _NEEDLE_VALUES = {"correct": "answer found", "answer_prob": "p(true answer)", "answer_logprob": "log p(true answer)"}
 
 
-def _needle_rows(result) -> tuple[list[dict], list[str], list[int], list[float]]:
-    """(rows, precisions, lengths, depths) of a needle result dict, a NeedleResult or a list of rows."""
-    out = result.to_dict() if hasattr(result, "to_dict") else result
-    rows = out["rows"] if isinstance(out, dict) else [r.to_dict() if hasattr(r, "to_dict") else r for r in out]
-    precisions = list(out.get("precisions") or []) if isinstance(out, dict) else []
-    precisions = [p for p in precisions if any(r["precision"] == p for r in rows)] or list(
-        dict.fromkeys(r["precision"] for r in rows)
-    )
-    lengths = sorted({r["length"] for r in rows})
-    depths = sorted({r["depth"] for r in rows})
+def _needle_rows(grid: NeedleGrid) -> tuple[list[NeedleRow], list[str], list[int], list[float]]:
+    """(rows, precisions with rows, lengths, depths) of a grid, lengths and depths as the rows have them."""
+    rows = grid.rows
+    precisions = [p for p in grid.precisions if any(r.precision == p for r in rows)]
+    precisions += [p for p in dict.fromkeys(r.precision for r in rows) if p not in precisions]
+    lengths = sorted({r.length for r in rows})
+    depths = sorted({r.depth for r in rows})
     return rows, precisions, lengths, depths
 
 
-def _needle_value(row: dict, value: str) -> float:
-    import math
-
+def _needle_value(row: NeedleRow, value: str) -> float:
     if value == "correct":
-        return float(row["correct"])
+        return float(row.correct)
     if value == "answer_prob":
-        return math.exp(row["answer_logprob"])
+        return math.exp(row.answer_logprob)
     if value == "answer_logprob":
-        return float(row["answer_logprob"])
+        return float(row.answer_logprob)
     raise ValueError(f"unknown needle value {value!r}; allowed: {', '.join(_NEEDLE_VALUES)}")
 
 
-def _needle_cells(rows: list[dict], precision: str) -> dict[tuple[int, float], list[dict]]:
+def _needle_cells(rows: list[NeedleRow], precision: str) -> dict[tuple[int, float], list[NeedleRow]]:
     """(length, depth) -> the precision's runs of that cell (one per seed)."""
-    cells: dict[tuple[int, float], list[dict]] = {}
+    cells: dict[tuple[int, float], list[NeedleRow]] = {}
     for r in rows:
-        if r["precision"] == precision:
-            cells.setdefault((r["length"], r["depth"]), []).append(r)
+        if r.precision == precision:
+            cells.setdefault((r.length, r.depth), []).append(r)
     return cells
 
 
-def _needle_grid(rows: list[dict], precision: str, lengths: list, depths: list, value: str) -> list[list]:
+def _needle_grid(rows: list[NeedleRow], precision: str, lengths: list, depths: list, value: str) -> list[list]:
     """z[depth][length] for one precision: the value, its mean over the cell's runs with repeats (the found
     rate for "correct"); None where a cell did not run."""
     cells = _needle_cells(rows, precision)
@@ -60,13 +57,13 @@ def _needle_grid(rows: list[dict], precision: str, lengths: list, depths: list, 
 FULL_MISSED = "full missed"  # the label of a cell where full precision itself missed the needle
 
 
-def full_missed_cells(rows: list[dict], baseline: str = "full") -> dict[tuple[int, float], int]:
+def full_missed_cells(rows: list[NeedleRow], baseline: str = "full") -> dict[tuple[int, float], int]:
     """(length, depth) -> how many of its runs `baseline` (full precision) itself missed, for the cells where it
     missed any: there a quantized miss says nothing about quantization."""
     misses: dict[tuple[int, float], int] = {}
     for r in rows:
-        if r["precision"] == baseline and not r["correct"]:
-            misses[(r["length"], r["depth"])] = misses.get((r["length"], r["depth"]), 0) + 1
+        if r.precision == baseline and not r.correct:
+            misses[(r.length, r.depth)] = misses.get((r.length, r.depth), 0) + 1
     return misses
 
 
@@ -74,17 +71,15 @@ def _missed_label(runs: int, misses: int) -> str:
     return "" if not misses else f"<br>({FULL_MISSED})" if runs == 1 else f"<br>({FULL_MISSED} {misses})"
 
 
-def _needle_texts(rows: list[dict], precision: str, lengths: list, depths: list, misses=None) -> list[list[str]]:
+def _needle_texts(rows: list[NeedleRow], precision: str, lengths: list, depths: list, misses=None) -> list[list[str]]:
     """Cell labels: ok/miss and the answer's log-prob (found/runs and the mean log-prob with repeats), and
     FULL_MISSED where full precision missed (with how many of the runs, with repeats); misses: `full_missed_cells`."""
     cells, misses = _needle_cells(rows, precision), misses or {}
 
-    def label(runs: list[dict], missed: int) -> str:
-        logp = sum(r["answer_logprob"] for r in runs) / len(runs)
+    def label(runs: list[NeedleRow], missed: int) -> str:
+        logp = sum(r.answer_logprob for r in runs) / len(runs)
         found = (
-            ("ok" if runs[0]["correct"] else "miss")
-            if len(runs) == 1
-            else f"{sum(r['correct'] for r in runs)}/{len(runs)}"
+            ("ok" if runs[0].correct else "miss") if len(runs) == 1 else f"{sum(r.correct for r in runs)}/{len(runs)}"
         )
         return f"{found}<br>{logp:.2f}" + _missed_label(len(runs), missed)
 
@@ -116,12 +111,12 @@ def _needle_panel(fig: go.Figure, col: int, z: list, text: list, lengths: list, 
     )
 
 
-def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
+def needle_heatmap_figure(grid: NeedleGrid, value: str = "correct") -> go.Figure:
     """Depth (down) x prompt length (across), one panel per precision, coloured by `value`:
     "correct" (exact match), "answer_prob" (teacher-forced p of the true answer) or "answer_logprob", each
     the mean over a cell's runs with repeats. Each cell is labelled with ok/miss (found/runs) and the
     answer's log-probability (its mean)."""
-    rows, precisions, lengths, depths = _needle_rows(result)
+    rows, precisions, lengths, depths = _needle_rows(grid)
     fig = _needle_panels(precisions, f"Needle in a haystack: {_NEEDLE_VALUES.get(value, value)} by depth and length")
     bounded = value in ("correct", "answer_prob")
     missed = full_missed_cells(rows)
@@ -142,22 +137,22 @@ def needle_heatmap_figure(result, value: str = "correct") -> go.Figure:
     return fig
 
 
-def needle_difference_figure(result, baseline: str = "full", value: str = "answer_logprob") -> go.Figure:
+def needle_difference_figure(grid: NeedleGrid, baseline: str = "full", value: str = "answer_logprob") -> go.Figure:
     """Each quantized precision minus `baseline` on the same runs: log-prob change (default), change in
     p(true answer), or correct (-1: lost, +1: gained), each the mean over a cell's runs (same seed against same
     seed) with repeats. Diverging colours centred on 0, one scale for all panels."""
-    rows, precisions, lengths, depths = _needle_rows(result)
+    rows, precisions, lengths, depths = _needle_rows(grid)
     if baseline not in precisions:
         raise ValueError(f"no {baseline!r} rows to compare with; have: {', '.join(precisions)}")
     others = [p for p in precisions if p != baseline]
     fig = _needle_panels(others, f"Needle: {_NEEDLE_VALUES.get(value, value)}, change vs {baseline}")
-    base = {cell_key(r): _needle_value(r, value) for r in rows if r["precision"] == baseline}
+    base = {cell_key(r): _needle_value(r, value) for r in rows if r.precision == baseline}
     diffs = {}
     for label in others:
         changes: dict[tuple[int, float], list[float]] = {}
         for r in rows:
-            if r["precision"] == label and cell_key(r) in base:
-                changes.setdefault((r["length"], r["depth"]), []).append(_needle_value(r, value) - base[cell_key(r)])
+            if r.precision == label and cell_key(r) in base:
+                changes.setdefault((r.length, r.depth), []).append(_needle_value(r, value) - base[cell_key(r)])
         diffs[label] = [[sum(c) / len(c) if (c := changes.get((n, d))) else None for n in lengths] for d in depths]
     span = max([abs(v) for d in diffs.values() for r in d for v in r if v is not None] + [1e-3])
     missed = full_missed_cells(rows, baseline)
@@ -184,15 +179,15 @@ def needle_difference_figure(result, baseline: str = "full", value: str = "answe
     return fig
 
 
-def needle_logprob_figure(result) -> go.Figure:
+def needle_logprob_figure(grid: NeedleGrid) -> go.Figure:
     """Teacher-forced log p(true answer) vs prompt length, one line per precision: the mean over the runs at
     that length (its depths, and seeds with repeats), with bars from the worst to the best run."""
-    rows, precisions, lengths, _ = _needle_rows(result)
+    rows, precisions, lengths, _ = _needle_rows(grid)
     fig = go.Figure()
     for label in precisions:
         means, lo, hi = [], [], []
         for n in lengths:
-            vals = [r["answer_logprob"] for r in rows if r["precision"] == label and r["length"] == n]
+            vals = [r.answer_logprob for r in rows if r.precision == label and r.length == n]
             m = sum(vals) / len(vals) if vals else None
             means.append(m)
             lo.append(m - min(vals) if vals else None)
@@ -218,11 +213,11 @@ def needle_logprob_figure(result) -> go.Figure:
     return fig
 
 
-def needle_figures(result) -> list[go.Figure]:
+def needle_figures(grid: NeedleGrid) -> list[go.Figure]:
     """The needle page's figures: pass/fail heatmap, log-prob change vs full, log-prob vs length."""
-    precisions = _needle_rows(result)[1]
-    figs = [needle_heatmap_figure(result)]
+    precisions = _needle_rows(grid)[1]
+    figs = [needle_heatmap_figure(grid)]
     if "full" in precisions and len(precisions) > 1:
-        figs.append(needle_difference_figure(result))
-    figs.append(needle_logprob_figure(result))
+        figs.append(needle_difference_figure(grid))
+    figs.append(needle_logprob_figure(grid))
     return figs

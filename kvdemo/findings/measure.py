@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from ..needle.run import forward_as_decoding
 from ..precision import parse_precision
 from ..results.findings import Measurement, NeedleAnswer, Window
 from .text import FindingsError, FindingsText
@@ -101,7 +102,6 @@ def measure_spec(
     import torch
     import torch.nn.functional as F
 
-    from ..needle import forward_as_decoding
     from ..runner import fork, new_cache
 
     spec = parse_precision(spec)

@@ -16,13 +16,19 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .. import texts
+from ..needle.prompts import MULTIKEY_LEAD_IN as LEAD_IN
+from ..needle.prompts import MULTIKEY_NEEDLE as NEEDLE
+from ..needle.prompts import MULTIKEY_QUESTION as QUESTION
+from ..needle.prompts import insert_at, nearest_boundary, split_answer, token_offsets
+
+# The needle grid's RULER-style multikey task (needle, question, answer lead-in) with the instruction's "it"
+# made "them": the findings ask about several of the needles in one text. The shipped findings report was
+# measured with this wording; changing it changes every prompt the findings score.
 INSTRUCTION = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
     "I will quiz you about the numbers afterwards."
 )
-NEEDLE = "One of the special magic numbers for {key} is: {value}."
-QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
-LEAD_IN = "The special magic number for {key} mentioned in the provided text is"
 ASKED_KEYS = 2  # needles asked about at every length; 2 more are distractors
 NEEDLE_FRACTIONS = (0.15, 0.35, 0.6, 0.8)  # of the shortest prompt's text: asked, distractor, asked, distractor
 
@@ -86,9 +92,6 @@ def _ids(tok, text: str, special: bool = False) -> list[int]:
 
 def build_text(lm, tokens: int, needle_lengths: Sequence[int], windows: Sequence[int], seed: int = 0) -> FindingsText:
     """The held-out text with needles near its start, cut to `tokens` ids, and the prompts asked of it."""
-    from .. import texts
-    from ..needle import _nearest_boundary, _offsets, insert_at, split_answer
-
     tok = lm.tokenizer
     rng = random.Random(f"kvdemo-findings:{seed}")
     keys = [f"{a}-{n}" for a, n in rng.sample([(a, n) for a in _ADJ for n in _NOUN], len(NEEDLE_FRACTIONS))]
@@ -98,11 +101,11 @@ def build_text(lm, tokens: int, needle_lengths: Sequence[int], windows: Sequence
     shortest = min(needle_lengths)
     budget = max(shortest - len(head_ids) - 160, 32)  # room for the needles, the question and the answer
     source = texts.held_out()
-    offsets = _offsets(tok, source[: 16 * (budget + 64)])
+    offsets = token_offsets(tok, source[: 16 * (budget + 64)])
     piece, rest = source[: offsets[budget - 1][1]], source[offsets[budget - 1][1] :]
     for frac, key, value in sorted(zip(NEEDLE_FRACTIONS, keys, values, strict=True), reverse=True):
         piece = insert_at(
-            piece, _nearest_boundary(piece, _offsets(tok, piece), frac), NEEDLE.format(key=key, value=value)
+            piece, nearest_boundary(piece, token_offsets(tok, piece), frac), NEEDLE.format(key=key, value=value)
         )[0]
     body_ids = _ids(tok, piece + rest)
     while len(head_ids) + len(body_ids) < tokens:
