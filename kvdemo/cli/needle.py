@@ -17,7 +17,7 @@ from ..needle import (
     run_grid,
     save_results,
 )
-from .markdown import paired_markdown
+from ..results.markdown import paired_markdown
 
 
 def read_document(path: str) -> tuple[str, str]:
@@ -34,7 +34,7 @@ def read_document(path: str) -> tuple[str, str]:
 def run_cli(args) -> dict:
     """`python -m kvdemo needle --precision ... --lengths ... --depths ... --kind ... [--haystack-file F]
     [--needle T --question T --answer T] [--seed N] [--repeats R] [--out DIR] [--prefill-mode exact|chunked]`."""
-    from ..bench import machine_info
+    from ..machine import machine_info
     from ..models import load_model
 
     specs = _specs_with_full(args.precision)

@@ -14,7 +14,7 @@ from ..prefill_modes import compare_prefill_modes
 
 def run_cli(args) -> dict:
     """`python -m kvdemo prefill-modes --tokens N --precision int4,int2 [--kind K] [--depth D] [--out F]`."""
-    from ..bench import machine_info
+    from ..machine import machine_info
     from ..models import load_model
 
     specs = parse_precision_list(args.precision)
