@@ -406,7 +406,7 @@ def test_four_sessions_at_once_queue_and_never_see_each_other():
 # --- one basis for sizes, stronger models, partial needle grids, measured time hints ------------------
 def test_every_size_is_live_bytes_with_its_16_bit_equivalent_and_ratios_agree():
     """Home, the sidebar and the chat captions all state live bytes in the model's dtype (float32 on CPU)
-    with the 16-bit equivalent, and their ratios are live over live (issue 16, item 2)."""
+    with the 16-bit equivalent, and their ratios are live over live."""
     at = start()
     metric = next(m for m in at.metric if m.label == "KV bytes/token at int4")
     assert metric.value == "6,300 B" and "7.31x smaller" in metric.delta  # 46,080 / 6,300, both live

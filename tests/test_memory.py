@@ -88,7 +88,7 @@ def test_max_tokens_inverts_sequence_bytes(spec, budget, heads):
     assert sequence_bytes(cfg, spec, n + 1, kv_heads=heads) > budget
 
 
-def test_reference_configs_cover_the_issue_and_match_their_architecture():
+def test_reference_configs_cover_the_common_models_and_match_their_architecture():
     names = set(configs.model_configs())
     assert {"llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral-7b-v0.3", "smollm2-135m"} <= names
     for path in sorted((ROOT / "assets" / "model_configs").glob("*.json")):

@@ -66,10 +66,8 @@ def headroom_concurrency_figure(out: Headroom) -> go.Figure:
     """Max concurrent sequences at the chosen context, one bar per KV precision (zero bars carry the reason)."""
     labels = [p.label for p in out.precisions]
     counts = [p.max_sequences for p in out.precisions]
-    text = [
-        f"{p.max_sequences:,}" + (f" ({r:.2f}x)" if (r := p.sequences_vs_16bit) is not None else "")
-        for p in out.precisions
-    ]
+    ratios = [p.sequences_vs_16bit for p in out.precisions]  # None where 16-bit fits none
+    text = [f"{n:,}" + ("" if r is None else f" ({r:.2f}x)") for n, r in zip(counts, ratios, strict=True)]
     hover = [p.reason or f"{p.concurrency:.2f} sequences of {out.context:,} tokens" for p in out.precisions]
     fig = go.Figure(
         go.Bar(x=labels, y=counts, text=text, textposition="outside", hovertext=hover, name="max sequences")
