@@ -470,10 +470,10 @@ class LongRun:
         if st.session_state.get(f"{self.key}_cancel"):
             st.session_state.pop(f"{self.key}_partial", None)
 
-    def buttons(self, where=st) -> bool:
-        """Run and Cancel side by side; True when Run was clicked."""
+    def buttons(self, where=st, disabled: bool = False) -> bool:
+        """Run and Cancel side by side (Run `disabled` when the settings cannot run); True when Run was clicked."""
         c1, c2 = where.columns([1, 5])
-        run = c1.button(self.run_label, key=f"{self.key}_run", type="primary")
+        run = c1.button(self.run_label, key=f"{self.key}_run", type="primary", disabled=disabled)
         c2.button("Cancel", key=f"{self.key}_cancel", help=self.cancel_help)
         return run
 
@@ -502,7 +502,8 @@ class LongRun:
             out = run_exclusive(lm, lambda: work(on_progress), status)
         finally:
             bar_slot.empty()
-        # not in `finally`: a Cancel click stops the script inside `work`, and the rerun it starts keeps these rows
+        # the run ended here (finished, or refused with a message): no rows to keep. A Cancel click stops the
+        # script inside `work` instead, and the rerun it starts keeps the partial rows (`_keep_cancelled_rows`)
         st.session_state.pop(f"{self.key}_partial", None)
         if out is not None:
             st.session_state.pop(f"{self.key}_cancelled", None)

@@ -11,13 +11,14 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import ppl
 from kvdemo.configs import gpu_presets, model_configs
 from kvdemo.figures.findings import findings_figures
 from kvdemo.figures.ppl import ablation_frontier_figure
 from kvdemo.findings import render, run, verdicts
 from kvdemo.findings.text import FindingsError
+from kvdemo.results import ablation as ablation_results
 from kvdemo.results import findings as results
+from kvdemo.results.kv_split import load_kv_split
 
 VERDICT_COLORS = {True: "green", False: "red", None: "gray"}
 
@@ -122,7 +123,7 @@ for c in view.claims:
     st.caption(f"How it was measured: {c.method}")
     st.page_link(c.page, label="Explore this on its page", icon=":material/arrow_forward:")
 
-ablation = ppl.load_ablation()
+ablation = ablation_results.load_ablation()
 if ablation is not None:
     st.header("KVQuant's methods at 4, 3 and 2 bits", divider="gray")
     st.markdown(
@@ -132,13 +133,13 @@ if ablation is not None:
         "'Not settled by this text' means the difference could go either way on text like it."
     )
     st.plotly_chart(ablation_frontier_figure(ablation), key="findings_ablation_fig")
-    st.dataframe(pd.DataFrame(ppl.ablation_claim_rows(ablation)), hide_index=True, key="findings_ablation_claims")
+    st.dataframe(pd.DataFrame(ablation_results.claim_rows(ablation)), hide_index=True, key="findings_ablation_claims")
     st.markdown("What the formats cost: the live cache at 4,096 tokens (to the byte) and decode speed, one run.")
-    st.dataframe(pd.DataFrame(ppl.ablation_cost_rows(ablation)), hide_index=True, key="findings_ablation_costs")
+    st.dataframe(pd.DataFrame(ablation_results.cost_rows(ablation)), hide_index=True, key="findings_ablation_costs")
     with st.expander("Every cell of the grid"):
-        st.dataframe(pd.DataFrame(ppl.ablation_cell_rows(ablation)), hide_index=True, key="findings_ablation_cells")
+        st.dataframe(pd.DataFrame(ablation_results.cell_rows(ablation)), hide_index=True, key="findings_ablation_cells")
     st.caption(
-        f"Measured with `{ablation['command']}` on {ablation['date']} (assets/reports/ablation.json), CPU, fp32; "
+        f"Measured with `{ablation.ppl.command}` on {ablation.ppl.date} (assets/reports/ablation.json), CPU, fp32; "
         "docs/methods.md's 'The ablation, measured' has the reading."
     )
     st.page_link(
@@ -147,7 +148,7 @@ if ablation is not None:
         icon=":material/arrow_forward:",
     )
 
-split = ppl.load_kv_split()
+split = load_kv_split()
 if split is not None:
     st.header("Keys or values: where the loss sits", divider="gray")
     st.markdown(
@@ -155,10 +156,10 @@ if split is not None:
         "where the format has the widths, the same mean bits with one bit moved between keys and values. "
         "Each role's logit KL is compared with the precision's own over 2,000 resamples of the text."
     )
-    for one in split["splits"]:
-        st.markdown(f"- {ppl.split_sentence(one)}")
-    st.dataframe(pd.DataFrame(ppl.split_rows(split)), hide_index=True, key="findings_kv_split")
+    for line in split.lines():
+        st.markdown(line)
+    st.dataframe(pd.DataFrame(split.rows()), hide_index=True, key="findings_kv_split")
     st.caption(
-        f"Measured with `{split['command']}` on {split['date']} (assets/reports/ppl_kv_split.json), CPU, fp32; "
+        f"Measured with `{split.ppl.command}` on {split.ppl.date} (assets/reports/ppl_kv_split.json), CPU, fp32; "
         "docs/methods.md's 'Keys or values: where the loss sits' has the reading."
     )

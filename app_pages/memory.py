@@ -1,17 +1,17 @@
 """Memory & headroom: live cache bytes of the loaded model next to the formula, and how many sequences
 fit on a GPU at each KV precision (`kvdemo.memory.headroom`), with the nearest production settings
 (`kvdemo.production`), the count measured with real caches in a budget on this machine
-(`kvdemo.measured.measure_headroom`) and, when present, the benchmark report (reports/bench.json)."""
+(`kvdemo.measured.measure_headroom`) and, when present, the benchmark report (reports/bench.json, read by
+`kvdemo.results.bench`)."""
 
 import json
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
-import torch
 
 from app_pages import common
-from kvdemo import bench, sizes
+from kvdemo import sizes
 from kvdemo.configs import WEIGHT_BITS, get_gpu, get_model_config, gpu_presets, model_configs
 from kvdemo.figures.bench import bench_figures
 from kvdemo.figures.memory import (
@@ -26,10 +26,11 @@ from kvdemo.measured import compare_measured
 from kvdemo.memory import headroom
 from kvdemo.models import config_from_model
 from kvdemo.precision import parse_precision_list
+from kvdemo.results import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS_DIR = ROOT / "reports"  # your `python -m kvdemo bench` runs
-SHIPPED_REPORT_DIR = ROOT / "assets" / "reports"  # the report measured for README
+SHIPPED_REPORT_DIR = ROOT / "assets" / "reports"  # the report docs/benchmark.md shows
 DEFAULT_PRECISIONS = ["full", "fp8", "int8", "k8v4", "int4", "int2"]
 
 lm = common.model()
@@ -103,25 +104,11 @@ except ValueError as err:
     st.error(str(err))
 
 if out is not None:
-    for w in out["warnings"]:
+    for w in out.warnings:
         st.warning(w)
-    if not out["fits"]:
+    if not out.fits:
         st.error("The weights and the reserve alone do not fit on this GPU budget.")
-    rows = []
-    for label, n in out["max_sequences"].items():
-        ratio = out["sequences_vs_16bit"][label]
-        rows.append(
-            {
-                "precision": label,
-                "bits K / V": "{key:.3g} / {value:.3g}".format(**out["bits_per_element"][label]),
-                "bytes/token": out["bytes_per_token"][label],
-                "GB per sequence": out["sequence_bytes"][label] / 1e9,
-                "max sequences": n,
-                "vs 16-bit": f"{ratio:.2f}x" if ratio is not None else "-",
-                f"max context for {users} user(s)": out["max_context_for_users"][label],
-            }
-        )
-    st.dataframe(pd.DataFrame(rows), hide_index=True, key="hr_table")
+    st.dataframe(pd.DataFrame(out.table_rows()), hide_index=True, key="hr_table")
     c1, c2 = st.columns(2)
     c1.plotly_chart(headroom_concurrency_figure(out), key="hr_concurrency")
     c2.plotly_chart(headroom_memory_figure(out), key="hr_curve")
@@ -129,13 +116,13 @@ if out is not None:
     c1.plotly_chart(headroom_split_figure(out), key="hr_split")
     c2.plotly_chart(headroom_stacking_figure(out), key="hr_stacking")
     st.download_button(
-        "Download JSON", json.dumps(out, indent=2, default=str), "headroom.json", "application/json", key="hr_json"
+        "Download JSON", json.dumps(out.to_json(), indent=2), "headroom.json", "application/json", key="hr_json"
     )
 
     st.subheader(f"Take {spec.label} to production")
     from kvdemo.production import ENGINES, production_settings
 
-    prod = production_settings(spec, out["model"]["head_dim"])
+    prod = production_settings(spec, out.model["head_dim"])
     for engine in ENGINES:
         e = prod[engine]
         with st.container(border=True):
@@ -171,32 +158,11 @@ if st.button("Measure", key="mem_run", type="primary"):
             st.session_state["mem_result"] = result
 measured = st.session_state.get("mem_result")
 if measured is not None:
-    dtype = getattr(torch, measured["dtype"])
-    live = {r["precision"]: sizes.from_nbytes(r["breakdown"], dtype) for r in measured["results"]}
-    full = live.get("full") or sizes.prefilled(lm, "full", measured["tokens"])
-    st.caption(
-        f"{measured['tokens']:,} tokens. Live bytes in {measured['dtype']} (full-precision parts: a full cache, "
-        "sinks, the residual window), beside the same cache with those parts at 16 bits; "
-        f"x smaller: live over live, against a full {measured['dtype']} cache of the same tokens "
-        f"({full.text()})."
-    )
-    rows = [
-        {
-            "precision": r["precision"],
-            f"live MiB ({measured['dtype']})": r["bytes"] / 2**20,
-            "at 16 bits, MiB": live[r["precision"]].at16 / 2**20,
-            "x smaller than full (live)": round(live[r["precision"]].times_smaller(full), 2),
-            "formula MiB": r["formula_bytes"] / 2**20,
-            "live vs formula": f"{100 * r['error_vs_formula']:+.3f}%",
-            "bytes/token": r["bytes_per_token"],
-            "bits/element": r["bits_per_element"],
-            "residual MiB": r["breakdown"]["residual"] / 2**20,
-        }
-        for r in measured["results"]
-    ]
+    caption, rows = sizes.live_table(lm, measured)
+    st.caption(caption)
     frame = pd.DataFrame(rows)
     st.dataframe(frame, hide_index=True, key="mem_table")
-    st.bar_chart(frame, x="precision", y=f"live MiB ({measured['dtype']})")
+    st.bar_chart(frame, x="precision", y=f"live MiB ({measured.dtype})")
 
 # --- measured headroom: real caches admitted into a budget ---------------------------------------
 st.subheader("Measured on this machine: sequences in a memory budget")
@@ -229,7 +195,7 @@ if st.button("Measure headroom", key="hm_run", type="primary"):
     target = lm if hm_model == "loaded" else _scale_model()
     budget_bytes = round(hm_budget * 1e9)
 
-    def measure() -> dict:
+    def measure():
         if not hm_specs:
             raise ValueError("pick at least one KV precision")
         if hm_context > target.max_context:
@@ -238,8 +204,7 @@ if st.button("Measure headroom", key="hm_run", type="primary"):
             raise ValueError(
                 f"the model's weights ({target.weight_bytes() / 1e9:.3f} GB) do not fit a {hm_budget:g} GB budget"
             )
-        rows = measure_headroom(target, parse_precision_list(",".join(hm_specs)), hm_context, budget_bytes)
-        return {"model": target.name, "context": hm_context, "budget_bytes": budget_bytes, "results": rows}
+        return measure_headroom(target, parse_precision_list(",".join(hm_specs)), hm_context, budget_bytes)
 
     hm_status = st.empty()
     with st.spinner("Admitting caches and timing batched decode..."):
@@ -248,41 +213,23 @@ if st.button("Measure headroom", key="hm_run", type="primary"):
         st.session_state["hm_result"] = result
 hm = st.session_state.get("hm_result")
 if hm is not None:
-    st.caption(f"{hm['model']}: {hm['context']:,}-token sequences in {hm['budget_bytes'] / 1e9:g} GB.")
-    st.dataframe(
-        pd.DataFrame(
-            [
-                {
-                    "precision": r["precision"],
-                    "measured sequences": r["measured_max_sequences"],
-                    "formula sequences": r["max_sequences"],
-                    "measured / formula": r["measured_vs_formula"],
-                    "MiB per sequence (measured)": r["sequence_bytes_measured"] / 2**20,
-                    "MiB per sequence (formula)": r["sequence_bytes_formula"] / 2**20,
-                    "tokens/s by batch": ", ".join(
-                        f"{s['batch']}: {s['tokens_per_s']:,.0f}" for s in r["tokens_per_s"]
-                    ),
-                }
-                for r in hm["results"]
-            ]
-        ),
-        hide_index=True,
-        key="hm_table",
-    )
+    st.caption(f"{hm.model}: {hm.context:,}-token sequences in {hm.budget_bytes / 1e9:g} GB.")
+    st.dataframe(pd.DataFrame(hm.table_rows()), hide_index=True, key="hm_table")
     c1, c2 = st.columns(2)
-    c1.plotly_chart(headroom_measured_figure(hm["results"]), key="hm_measured")
-    c2.plotly_chart(headroom_batch_speed_figure(hm["results"]), key="hm_speed")
+    c1.plotly_chart(headroom_measured_figure(hm), key="hm_measured")
+    c2.plotly_chart(headroom_batch_speed_figure(hm), key="hm_speed")
 
 # --- the benchmark report ------------------------------------------------------------------------
 st.subheader("Benchmark: kvdemo vs transformers' QuantizedCache")
-report, source = bench.load_report(REPORTS_DIR), "your latest run (reports/bench.json)"
-if report is None:
-    report, source = bench.load_report(SHIPPED_REPORT_DIR), "shipped with kvdemo (assets/reports/bench.json)"
-if report is None:
+raw, source = bench.read_json(REPORTS_DIR), "your latest run (reports/bench.json)"
+if raw is None:
+    raw, source = bench.read_json(SHIPPED_REPORT_DIR), "shipped with kvdemo (assets/reports/bench.json)"
+if raw is None:
     st.info("No benchmark report yet: run `python -m kvdemo bench` to write reports/bench.json.")
 else:
     try:
-        machine = report["machine"]
+        report = bench.BenchReport.from_json(raw)
+        machine = report.machine
         st.caption(
             f"Report {source}: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
             f"{machine.get('device', '?')} {machine.get('dtype', '')}, {machine.get('date', '?')}. "
@@ -293,4 +240,4 @@ else:
             st.plotly_chart(fig, key=f"bench_fig_{i}")
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:  # another kvdemo version
         st.warning(f"The report ({source}) has an unexpected layout ({type(err).__name__}: {err}); raw content below.")
-        st.json(report, expanded=False)
+        st.json(raw, expanded=False)

@@ -113,7 +113,7 @@ def long_row(job: dict, lm) -> dict:
             warmup_s = time.perf_counter() - t0
             stats |= zero
         gc.collect()
-        row = measure_prefill(lm, job["tokens"], spec, "chunked")
+        row = measure_prefill(lm, job["tokens"], spec, "chunked").to_json()
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)

@@ -183,7 +183,8 @@ def ppl_rows(lm, tokens: int, prefix: int, precisions=tuple(PPL_KEYS)) -> list[d
         report = run_ppl(lm, list(precisions), tokens=tokens, prefix=prefix)
     keep = ("precision", "ppl", "delta_vs_full", "logit_kl", "logit_kl_ci95", "delta_vs_full_ci95")
     return [
-        {"keys": PPL_KEYS.get(r["precision"], r["precision"]), **{k: r.get(k) for k in keep}} for r in report["results"]
+        {"keys": PPL_KEYS.get(r.precision, r.precision), **{k: r.to_json().get(k) for k in keep}}
+        for r in report.results
     ]
 
 
@@ -243,7 +244,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from kvdemo.bench import machine_info
+    from kvdemo.machine import machine_info
     from kvdemo.models import load_model
     from kvdemo.texts import held_out_ids
 

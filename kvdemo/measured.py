@@ -30,7 +30,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ from .layout import Layout, region_bytes
 from .memory import fp16_cache_bytes, sequence_bytes
 from .models import LoadedModel, config_from_model, load_model, random_model
 from .precision import PrecisionSpec, parse_precision
+from .progress import ProgressFn, StopFn, Tracker
+from .results.measured import BatchSpeed, CacheMeasurement, HeadroomRow, MeasuredHeadroom, MemoryReport, PrefillRow
 from .runner import PREFILL_CHUNK, new_cache, prefill
 
 SCALE_MODEL = {
@@ -85,7 +88,7 @@ def _reset_peak() -> None:
 
 
 @torch.no_grad()
-def measure_prefill(lm: LoadedModel, tokens: int, spec: PrecisionSpec | str, mode: str = "chunked") -> dict:
+def measure_prefill(lm: LoadedModel, tokens: int, spec: PrecisionSpec | str, mode: str = "chunked") -> PrefillRow:
     """Prefill `tokens` random token ids at `spec` in this process; its peak memory, split into parts."""
     spec = parse_precision(spec)
     ids = torch.randint(1, lm.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens)).tolist()
@@ -106,21 +109,21 @@ def measure_prefill(lm: LoadedModel, tokens: int, spec: PrecisionSpec | str, mod
     added = (torch.cuda.max_memory_allocated(lm.device) if gpu else _status_bytes("VmHWM")) - base
     weights = lm.weight_bytes()
     cache_bytes = cache.nbytes()["allocated"]
-    return {
-        "tokens": tokens,
-        "precision": spec.label,
-        "mode": mode,
-        "chunk": PREFILL_CHUNK,
-        "peak_bytes": weights + added,
-        "cache_bytes": cache_bytes,
-        "weights_bytes": weights,
-        "workspace_bytes": added - cache_bytes,
-        "prefill_s": round(seconds, 3),
-        "peak_measured_by": "torch.cuda.max_memory_allocated"
+    return PrefillRow(
+        tokens=tokens,
+        precision=spec.label,
+        mode=mode,
+        chunk=PREFILL_CHUNK,
+        peak_bytes=weights + added,
+        cache_bytes=cache_bytes,
+        weights_bytes=weights,
+        workspace_bytes=added - cache_bytes,
+        prefill_s=round(seconds, 3),
+        peak_measured_by="torch.cuda.max_memory_allocated"
         if gpu
         else "VmHWM (peak resident memory), MALLOC_MMAP_THRESHOLD_="
         + os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default"),
-    }
+    )
 
 
 def prefill_rows(
@@ -129,13 +132,16 @@ def prefill_rows(
     model: str = "random",
     mode: str = "chunked",
     device: str = "cpu",
-    on_row: Callable[[dict], None] | None = None,
-) -> list[dict]:
-    """`measure_prefill` for every (tokens, precision), each in a fresh process (`python -m kvdemo.measured`)."""
-    rows = []
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> list[PrefillRow]:
+    """`measure_prefill` for every (tokens, precision), each in a fresh process (`python -m kvdemo.measured`).
+    Progress in tokens prefilled, each finished row in `Progress.row`."""
+    labels = [parse_precision(spec).label for spec in precisions]
+    track = Tracker(sum(tokens) * len(labels), "tokens", on_progress, should_stop)
     for n in tokens:
-        for spec in precisions:
-            label = parse_precision(spec).label
+        for label in labels:
+            track.check("the prefills")
             job = json.dumps({"model": model, "tokens": int(n), "precision": label, "mode": mode, "device": device})
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
             env.update(MALLOC_ENV if device == "cpu" else {})
@@ -145,10 +151,9 @@ def prefill_rows(
             if done.returncode:
                 lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
                 raise RuntimeError(f"the {n}-token {label} prefill failed: {lines[-1]}")
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            if on_row is not None:
-                on_row(rows[-1])
-    return rows
+            row = PrefillRow.from_json(json.loads(done.stdout.strip().splitlines()[-1]))
+            track.advance(f"{n:,} tokens at {label}: peak {row.peak_bytes / 2**20:,.0f} MiB", n, row=row)
+    return track.rows
 
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -198,15 +203,19 @@ def measure_headroom(
     budget_bytes: int,
     batch_sizes: Sequence[int] = BATCH_SIZES,
     decode_steps: int = 8,
-) -> list[dict]:
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> MeasuredHeadroom:
     """Per precision: sequences of `context` tokens admitted into `budget_bytes` (weights + every admitted
     cache's allocated bytes), beside the formula's count at the model's dtype; decode tokens/s by batch size.
-    """
+    Progress in precisions, each finished row in `Progress.row`."""
     cfg = config_from_model(lm)
     bits = 8 * lm.dtype.itemsize
     weights = lm.weight_bytes()
-    rows = []
-    for spec in map(parse_precision, specs):
+    specs = [parse_precision(s) for s in specs]
+    track = Tracker(len(specs), "precisions", on_progress, should_stop)
+    for spec in specs:
+        track.check("measuring headroom")
         seq = sequence_cache(lm, spec, context)
         admitted, used = [], weights
         while True:
@@ -219,26 +228,25 @@ def measure_headroom(
         per_seq = sequence_bytes(cfg, spec, context, full_bits=bits)
         formula = max(int((budget_bytes - weights) // per_seq), 0)
         speed = _decode_speeds(lm, admitted, batch_sizes, decode_steps)
-        rows.append(
-            {
-                "precision": spec.label,
-                "context": context,
-                "budget_bytes": budget_bytes,
-                "weights_bytes": weights,
-                "sequence_bytes_measured": admitted[0].nbytes()["allocated"] if admitted else seq.nbytes()["allocated"],
-                "sequence_bytes_formula": round(per_seq),
-                "measured_max_sequences": len(admitted),
-                "max_sequences": formula,
-                "measured_vs_formula": round(len(admitted) / formula, 4) if formula else None,
-                "held_bytes": used,
-                "tokens_per_s": speed,
-            }
+        row = HeadroomRow(
+            precision=spec.label,
+            context=context,
+            budget_bytes=budget_bytes,
+            weights_bytes=weights,
+            sequence_bytes_measured=admitted[0].nbytes()["allocated"] if admitted else seq.nbytes()["allocated"],
+            sequence_bytes_formula=round(per_seq),
+            measured_max_sequences=len(admitted),
+            max_sequences=formula,
+            measured_vs_formula=round(len(admitted) / formula, 4) if formula else None,
+            held_bytes=used,
+            tokens_per_s=speed,
         )
         del admitted, seq
-    return rows
+        track.advance(f"{spec.label}: {row.measured_max_sequences} sequences admitted", row=row)
+    return MeasuredHeadroom(lm.name, str(lm.dtype).replace("torch.", ""), budget_bytes, context, track.rows)
 
 
-def _decode_speeds(lm: LoadedModel, admitted: list, batch_sizes: Sequence[int], steps: int) -> list[dict]:
+def _decode_speeds(lm: LoadedModel, admitted: list, batch_sizes: Sequence[int], steps: int) -> list[BatchSpeed]:
     """Decode tokens/s for batches of the admitted sequences (copies: decoding appends to them)."""
     out = []
     for b in batch_sizes:
@@ -248,9 +256,7 @@ def _decode_speeds(lm: LoadedModel, admitted: list, batch_sizes: Sequence[int], 
         vocab = lm.config.vocab_size
         first = [torch.zeros(vocab, device=lm.device).index_fill_(0, torch.tensor([1 + i]), 1.0) for i in range(b)]
         run = decode_batch(lm, caches, first, steps + 1)  # the first token is given: `steps` timed forwards
-        out.append(
-            {"batch": b, "tokens_per_s": round(b * steps / run["decode_s"], 2), "seconds": round(run["decode_s"], 3)}
-        )
+        out.append(BatchSpeed(b, round(b * steps / run["decode_s"], 2), round(run["decode_s"], 3)))
         del caches
     return out
 
@@ -258,7 +264,7 @@ def _decode_speeds(lm: LoadedModel, admitted: list, batch_sizes: Sequence[int], 
 # --- live bytes of a prefilled cache beside the formulas ----------------------------------------------
 
 
-def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
+def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> MemoryReport:
     """Prefill `ids` into a cache at each precision; report its live bytes next to a 16-bit cache."""
     tokens = len(ids)
     fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, tokens)
@@ -270,21 +276,21 @@ def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[Precisio
         nb = cache.nbytes()
         bits = spec.bits_per_element(lm.head_dim, full_bits=8 * lm.dtype.itemsize)
         results.append(
-            {
-                "precision": spec.label,
-                "bytes": nb["total"],
-                "bytes_fp16": fp16,
-                "ratio_vs_fp16": round(fp16 / nb["total"], 4),
-                "bits_per_element": round(bits["mean"], 4),
-                "bytes_per_token": round(nb["total"] / tokens, 1),
-                "breakdown": {
+            CacheMeasurement(
+                precision=spec.label,
+                bytes=nb["total"],
+                bytes_fp16=fp16,
+                ratio_vs_fp16=round(fp16 / nb["total"], 4),
+                bits_per_element=round(bits["mean"], 4),
+                bytes_per_token=round(nb["total"] / tokens, 1),
+                breakdown={
                     k: nb[k] for k in ("codes", "scales", "outliers", "codebooks", "residual", "sinks", "allocated")
                 },
-                "spec": spec.to_dict(),
-            }
+                spec=spec.to_dict(),
+            )
         )
         del cache
-    return {"model": lm.name, "tokens": tokens, "results": results}
+    return MemoryReport(lm.name, tokens, results)
 
 
 def prefill_updates(tokens: int, chunk: int | None = None) -> list[int]:
@@ -293,7 +299,7 @@ def prefill_updates(tokens: int, chunk: int | None = None) -> list[int]:
     return [min(chunk, tokens - start) for start in range(0, tokens, chunk)]
 
 
-def compare_measured(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> dict:
+def compare_measured(lm: LoadedModel, ids: Sequence[int], specs: Sequence[PrecisionSpec | str]) -> MemoryReport:
     """`measure_memory` beside the formulas: exact regions (`layout.region_bytes`) and plain bytes/token x tokens.
 
     The plain formula ignores the full-precision sinks and residual, so it matches the live cache only
@@ -304,24 +310,29 @@ def compare_measured(lm: LoadedModel, ids: Sequence[int], specs: Sequence[Precis
     cfg = config_from_model(lm)
     full_bits = 8 * lm.dtype.itemsize
     updates = prefill_updates(len(ids))
-    out["dtype"] = str(lm.dtype).replace("torch.", "")
-    for row, spec in zip(out["results"], specs, strict=True):
+    rows = []
+    for row, spec in zip(out.results, specs, strict=True):
         regions = Layout(spec).regions(updates)
         exact = region_bytes(regions, cfg.layers, cfg.kv_heads, cfg.head_dim, spec, full_bits)
         plain = memory.bytes_per_token(cfg, spec, full_bits=full_bits) * len(ids)
-        row["layout"] = regions.to_dict()
-        row["formula_bytes"] = exact["total"]
-        row["formula_plain_bytes"] = round(plain)
-        row["error_vs_formula"] = round(row["bytes"] / exact["total"] - 1, 6)
-        row["error_vs_plain"] = round(row["bytes"] / plain - 1, 6)
-    return out
+        rows.append(
+            replace(
+                row,
+                layout=regions.to_dict(),
+                formula_bytes=exact["total"],
+                formula_plain_bytes=round(plain),
+                error_vs_formula=round(row.bytes / exact["total"] - 1, 6),
+                error_vs_plain=round(row.bytes / plain - 1, 6),
+            )
+        )
+    return replace(out, results=rows, dtype=str(lm.dtype).replace("torch.", ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvdemo.measured JOB`: one `measure_prefill` in this fresh process; prints its row as JSON."""
     job = json.loads((argv or sys.argv[1:])[0])
     lm = load_scale_model(job["model"], job.get("device", "cpu"))
-    print(json.dumps(measure_prefill(lm, job["tokens"], job["precision"], job["mode"])))
+    print(json.dumps(measure_prefill(lm, job["tokens"], job["precision"], job["mode"]).to_json()))
     return 0
 
 

@@ -26,7 +26,8 @@ CUDA graphs and the runtime. Weights = parameters x weight bits / 8 (scales of q
 and layers kept in 16 bits are not counted: raise the reserve for them).
 
 Units: bytes internally; GB = 10^9 bytes in every option and printout (kvdemo/configs.py holds the model
-configs and GPU presets). Nothing here imports torch: headroom math stays light. Live caches are measured
+configs and GPU presets). Nothing here imports torch: headroom math stays light. The plan is a
+`kvdemo.results.headroom.Headroom` (this module sits in the results layer to return it). Live caches are measured
 beside these formulas in kvdemo/measured.py.
 vLLM prints the same quantity as "Maximum concurrency for N tokens per request" (our `concurrency`).
 """
@@ -40,6 +41,7 @@ from . import layout
 from .configs import GB, GPU, SERVE_BITS, WEIGHT_BITS, HeadroomError, ModelConfig, check_weight_bits
 from .precision import PrecisionSpec, parse_precision
 from .production import production_settings
+from .results.headroom import Headroom, HeadroomCurve, MemorySplit, PrecisionHeadroom
 
 DEFAULT_RESERVE_FRACTION = 0.10
 MEASURE_TOKENS = 2048  # `--model-config loaded`: prefill at most this many tokens for the measured column
@@ -110,7 +112,7 @@ def headroom(
     users: int = 1,
     weight_bits: int = 16,
     reserve_gb: float | None = None,
-) -> dict:
+) -> Headroom:
     """Bytes/token, max concurrent sequences at `context`, max context for `users`, memory split and the
     weight x KV "stacking", for every precision in `specs` at once (see the module docstring)."""
     specs = [parse_precision(s) for s in specs]
@@ -125,69 +127,56 @@ def headroom(
     heads = kv_heads_per_gpu(cfg.kv_heads, gpus)
     weights = cfg.weight_bytes(weight_bits)
     free = _free_per_gpu(cfg, per_gpu, reserve, gpus, weight_bits)
-    full16 = parse_precision("full")
-    n16 = _sequences(free, sequence_bytes(cfg, full16, context, kv_heads=heads))
-
-    out = {
-        "model_config": cfg.name,
-        "model": cfg.to_dict(),
-        "gpu": gpu.name,
-        "gpu_info": gpu.to_dict(),
-        "gpus": gpus,
-        "context": context,
-        "users": users,
-        "weight_bits": weight_bits,
-        "kv_heads_per_gpu": heads,
-        "budget_bytes": per_gpu * gpus,
-        "weights_bytes": weights,
-        "reserve_bytes": reserve * gpus,
-        "free_kv_bytes": round(max(free, 0) * gpus),
-        "fits": free > 0,
-        "context_exceeds_model": context > cfg.max_context,
-        "bits_per_element": {},
-        "bytes_per_token": {},
-        "bytes_per_token_per_gpu": {},
-        "sequence_bytes": {},
-        "max_sequences": {},
-        "max_sequences_16bit": n16,
-        "sequences_vs_16bit": {},
-        "concurrency": {},
-        "kv_token_capacity": {},
-        "max_context_for_users": {},
-        "max_context_memory": {},
-        "max_context_limited_by": {},
-        "split": {},
-        "reason": {},
-        "stacking": {},
-        "production": {},
-        "warnings": _warnings(cfg, specs, context, gpus),
-    }
+    n16 = _sequences(free, sequence_bytes(cfg, parse_precision("full"), context, kv_heads=heads))
+    rows = []
     for spec in specs:
-        label = spec.label
         seq = sequence_bytes(cfg, spec, context, kv_heads=heads)  # per GPU
-        bpt = bytes_per_token(cfg, spec)
         n = _sequences(free, seq)
         mem_ctx = max_tokens(cfg, spec, free / users, kv_heads=heads)
         bits = spec.bits_per_element(cfg.head_dim, full_bits=SERVE_BITS)
-        out["bits_per_element"][label] = {"key": bits["key"], "value": bits["value"]}
-        out["bytes_per_token"][label] = _num(bpt)
-        out["bytes_per_token_per_gpu"][label] = _num(bytes_per_token(cfg, spec, kv_heads=heads))
-        out["sequence_bytes"][label] = _num(seq * gpus)
-        out["max_sequences"][label] = n
-        out["sequences_vs_16bit"][label] = round(n / n16, 3) if n16 else None
-        out["concurrency"][label] = round(max(free, 0) / seq, 3)
-        out["kv_token_capacity"][label] = int(max(free, 0) // bytes_per_token(cfg, spec, kv_heads=heads))
-        out["max_context_memory"][label] = mem_ctx
-        out["max_context_for_users"][label] = min(mem_ctx, cfg.max_context)
-        out["max_context_limited_by"][label] = "model" if mem_ctx >= cfg.max_context else "memory"
-        out["split"][label] = _split(per_gpu, gpus, weights, reserve, n * seq * gpus)
-        out["reason"][label] = _reason(cfg, free, seq, per_gpu, reserve, gpus, weight_bits, context)
-        out["stacking"][label] = {
-            str(wb): _sequences(_free_per_gpu(cfg, per_gpu, reserve, gpus, wb), seq) for wb in WEIGHT_BITS
-        }
-        out["production"][label] = production_settings(spec, cfg.head_dim)
-    out["curve"] = _curve(cfg, specs, per_gpu, gpus, weights, reserve, users, heads, context)
-    return out
+        rows.append(
+            PrecisionHeadroom(
+                label=spec.label,
+                bits_per_element={"key": bits["key"], "value": bits["value"]},
+                bytes_per_token=_num(bytes_per_token(cfg, spec)),
+                bytes_per_token_per_gpu=_num(bytes_per_token(cfg, spec, kv_heads=heads)),
+                sequence_bytes=_num(seq * gpus),
+                max_sequences=n,
+                sequences_vs_16bit=round(n / n16, 3) if n16 else None,
+                concurrency=round(max(free, 0) / seq, 3),
+                kv_token_capacity=int(max(free, 0) // bytes_per_token(cfg, spec, kv_heads=heads)),
+                max_context_for_users=min(mem_ctx, cfg.max_context),
+                max_context_memory=mem_ctx,
+                max_context_limited_by="model" if mem_ctx >= cfg.max_context else "memory",
+                split=_split(per_gpu, gpus, weights, reserve, n * seq * gpus),
+                reason=_reason(cfg, free, seq, per_gpu, reserve, gpus, weight_bits, context),
+                stacking={
+                    str(wb): _sequences(_free_per_gpu(cfg, per_gpu, reserve, gpus, wb), seq) for wb in WEIGHT_BITS
+                },
+                production=production_settings(spec, cfg.head_dim),
+            )
+        )
+    return Headroom(
+        model_config=cfg.name,
+        model=cfg.to_dict(),
+        gpu=gpu.name,
+        gpu_info=gpu.to_dict(),
+        gpus=gpus,
+        context=context,
+        users=users,
+        weight_bits=weight_bits,
+        kv_heads_per_gpu=heads,
+        budget_bytes=per_gpu * gpus,
+        weights_bytes=weights,
+        reserve_bytes=reserve * gpus,
+        free_kv_bytes=round(max(free, 0) * gpus),
+        fits=free > 0,
+        context_exceeds_model=context > cfg.max_context,
+        max_sequences_16bit=n16,
+        precisions=rows,
+        warnings=_warnings(cfg, specs, context, gpus),
+        curve=_curve(cfg, specs, per_gpu, gpus, weights, reserve, users, heads, context),
+    )
 
 
 def _free_per_gpu(cfg: ModelConfig, per_gpu: int, reserve: int, gpus: int, weight_bits: int) -> float:
@@ -202,18 +191,11 @@ def _num(x: float) -> int | float:
     return int(x) if float(x).is_integer() else round(x, 3)
 
 
-def _split(per_gpu: int, gpus: int, weights: int, reserve: int, kv: float) -> dict:
+def _split(per_gpu: int, gpus: int, weights: int, reserve: int, kv: float) -> MemorySplit:
     """Whole budget (all GPUs), bytes: weights / KV of the max sequences / reserve / unused."""
     total = per_gpu * gpus
     left = total - weights - reserve * gpus - kv
-    return {
-        "weights": weights,
-        "kv": round(kv),
-        "reserve": reserve * gpus,
-        "free": round(max(left, 0)),
-        "over": round(max(-left, 0)),
-        "total": total,
-    }
+    return MemorySplit(weights, round(kv), reserve * gpus, round(max(left, 0)), round(max(-left, 0)), total)
 
 
 def _reason(
@@ -272,7 +254,7 @@ def _curve(
     users: int,
     heads: int,
     context: int,
-) -> dict:
+) -> HeadroomCurve:
     """Total memory (GB, all GPUs) of weights + reserve + `users` sequences, vs context length."""
     top = max(cfg.max_context, context)
     xs = sorted({round(top * i / (CURVE_POINTS - 1)) for i in range(CURVE_POINTS)} | {context})
@@ -281,12 +263,12 @@ def _curve(
         s.label: [round((base + users * gpus * sequence_bytes(cfg, s, x, kv_heads=heads)) / GB, 4) for x in xs]
         for s in specs
     }
-    return {
-        "users": users,
-        "context": xs,
-        "gb": gb,
-        "budget_gb": round(per_gpu * gpus / GB, 4),
-        "weights_gb": round(weights / GB, 4),
-        "reserve_gb": round(reserve * gpus / GB, 4),
-        "max_context": cfg.max_context,
-    }
+    return HeadroomCurve(
+        users=users,
+        context=xs,
+        gb=gb,
+        budget_gb=round(per_gpu * gpus / GB, 4),
+        weights_gb=round(weights / GB, 4),
+        reserve_gb=round(reserve * gpus / GB, 4),
+        max_context=cfg.max_context,
+    )

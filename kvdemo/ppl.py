@@ -15,15 +15,18 @@ cache, and each draw gives every cache's perplexity delta and KL. A figure's 95%
 of its draws; a claim comparing two caches is settled when the interval of its difference excludes zero.
 The report keeps the per-block means (`blocks`), so the intervals can be recomputed from it. This is the
 spread over text like this text, not over other models, other kinds of text or other codebooks.
+
+`run_ablation` scores KVQuant's methods grid in one run and checks the claims about it; `run_kv_split` scores each
+precision beside its keys alone and its values alone. The reports are `kvdemo.results.ppl.PplReport`,
+`kvdemo.results.ablation.AblationReport` and `kvdemo.results.kv_split.KvSplitReport`; every run counts its
+progress in tokens of model work (`work_tokens`) and stops on request between chunks (`kvdemo.progress`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,11 @@ from . import runner
 from .attention import DECODE_MAX_QUERIES
 from .models import LoadedModel
 from .precision import PrecisionSpec, parse_precision
-from .results.ppl import HELD_OUT_NAME, interval_text
+from .progress import ProgressFn, StopFn, Tracker
+from .results import ablation, kv_split
+from .results.ablation import AblationReport, AblationRow, Check
+from .results.kv_split import KvSplitReport, Split
+from .results.ppl import HELD_OUT_NAME, Blocks, PplReport, PplRow
 
 
 @dataclass(frozen=True)
@@ -91,20 +98,26 @@ def token_nll(
     start: int,
     chunk: int,
     keep_every: int = 0,
-    on_step: Callable[[float], None] | None = None,
+    track: Tracker | None = None,
+    what: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Negative log-likelihood [len(ids) - start] of ids[start:], the cache holding ids[:start], and the
     log-softmax rows [ceil((len(ids) - start) / keep_every), V] of every `keep_every`-th prediction (None
     when 0): what `logit_kl` compares.
 
     ids[start] is scored by `first_logits`; then ids[start:-1] are fed `chunk` at a time, so each
-    prediction attends over what the cache stored. on_step: the fraction of them fed so far, after each chunk.
+    prediction attends over what the cache stored. `track` counts the scored tokens (len(ids) - start) as
+    they are done, under `what`, and may stop the run before each chunk.
     """
     ids = list(ids)
     first = first_logits.float()[None]  # [1, V]: predicts ids[start]
     nll = [F.cross_entropy(first, torch.tensor([ids[start]], device=first.device))[None]]
     kept = [torch.log_softmax(first, -1)]  # scored index 0
+    if track is not None:
+        track.advance(what)
     for s in range(start, len(ids) - 1, chunk):
+        if track is not None:
+            track.check(what)
         piece = ids[s : min(s + chunk, len(ids) - 1)]
         logits = runner.forward(lm, piece, cache).float()  # [n, V]: row i predicts ids[s + 1 + i]
         targets = torch.tensor(ids[s + 1 : s + 1 + len(piece)], device=logits.device)  # [n]
@@ -112,8 +125,8 @@ def token_nll(
         if keep_every:
             rows = [i for i in range(len(piece)) if (s + 1 - start + i) % keep_every == 0]  # scored index % k
             kept.append(torch.log_softmax(logits[rows], -1))
-        if on_step is not None:
-            on_step((s + len(piece) - start) / (len(ids) - 1 - start))
+        if track is not None:
+            track.advance(what, len(piece))
     return torch.cat(nll), (torch.cat(kept) if keep_every else None)
 
 
@@ -131,27 +144,29 @@ def score_caches(
     chunk: int = DECODE_MAX_QUERIES,
     residual: int | None = None,
     kl_every: int = 4,
-    on_progress: Callable[[str], None] | None = None,
-    on_step: Callable[[float], None] | None = None,
+    track: Tracker | None = None,
 ):
     """Score `text` (at least max(lengths) tokens) through each cache of `caches`: (name, attention
     implementation, make_cache), full precision first (the KL reference). Yields (name, Scored), one
-    cache at a time, so a caller can measure each cache before the next is built. on_step: `token_nll`'s,
-    the fraction of the current cache's text fed."""
+    cache at a time, so a caller can measure each cache before the next is built. `track` (the caller's
+    run) counts tokens of model work: the exact prefix once, then each cache's scored tokens
+    (`work_tokens`)."""
     if not 0 < prefix <= min(lengths) // 2:
         raise ValueError(f"every length must be at least 2 x the exact prefix ({prefix}), got {list(lengths)}")
     if not 1 <= chunk <= DECODE_MAX_QUERIES:
         raise ValueError(f"chunk must be 1..{DECODE_MAX_QUERIES} (kvdemo's decode path), got {chunk}")
     text = list(text)[: max(lengths)]
+    if track is not None:
+        track.check("perplexity")
     states, first = exact_states(lm, text[:prefix])
+    if track is not None:
+        track.advance(f"the exact prefix ({prefix:,} tokens)", prefix)
     reference = None  # log-softmax [n_kept, V] of full precision
     for name, impl, make_cache in caches:
-        if on_progress is not None:
-            on_progress(f"perplexity {prefix}..{len(text)}: {name}")
         with runner.attention_impl(lm, impl):
             cache = make_cache()
             store_states(cache, states, residual)
-            nll, kept = token_nll(lm, cache, first, text, prefix, chunk, kl_every, on_step)
+            nll, kept = token_nll(lm, cache, first, text, prefix, chunk, kl_every, track, name)
         reference = kept if reference is None else reference
         kl = logit_kl(reference, kept)  # [n_kept]; zeros for the reference itself
         ppl, kls = {}, {}
@@ -170,20 +185,18 @@ def run_ppl(
     prefix: int = 1024,
     chunk: int = DECODE_MAX_QUERIES,
     kl_every: int = 4,
-    on_progress: Callable[[str], None] | None = None,
     codebooks=None,
     text: tuple[str, Sequence[int]] | None = None,
-    on_row: Callable[[dict], None] | None = None,
-    on_step: Callable[[float], None] | None = None,
-) -> dict:
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> PplReport:
     """Perplexity at `tokens` tokens of a text at each KV precision (full precision always runs first, as the
-    reference), with the cache's size after scoring on the 16-bit basis (kvdemo.sizes): {"model", "text",
-    "tokens", "prefix", "chunk", "basis", "results": [{"precision", "ppl", "delta_vs_full", "logit_kl",
-    "bits_per_element", "ratio_vs_fp16", "live_bytes"}]}, and "codebooks" (what the nuq precisions' levels
-    were fitted on) when there are any. text: (name, token ids) to score, default the held-out prose.
-    codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own). on_row: each
-    result row as its cache finishes (its delta set, its intervals not yet: they need every cache). on_step: the
-    fraction of the current cache's text fed so far (`token_nll`)."""
+    reference), with the cache's size after scoring on the 16-bit basis (kvdemo.sizes), the per-block means and
+    each row's 95% intervals, and what the nuq precisions' levels were fitted on when there are any.
+    text: (name, token ids) to score, default the held-out prose. codebooks: a `codebooks.Codebooks` for the nuq
+    precisions (default: the model's own). Progress in tokens of model work (`work_tokens`); each finished
+    cache's row comes in `Progress.row` (its delta set, its intervals not yet: they need every cache), and
+    `Cancelled` carries those rows."""
     from .memory import fp16_cache_bytes
     from .sizes import SERVE_BITS, dtype_name, from_nbytes
     from .texts import held_out_ids
@@ -196,52 +209,47 @@ def run_ppl(
     specs = [parse_precision("full")] + [s for s in map(parse_precision, precisions) if s.label != "full"]
     caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s, codebooks)) for s in specs]
     text = list(ids[:tokens])
+    track = Tracker(work_tokens(tokens, prefix, len(specs) - 1), "tokens", on_progress, should_stop)
     results = []
     lo, hi = tokens // 2 - prefix, tokens - prefix  # scored indices of positions [tokens/2, tokens)
-    blocks = {"size": BLOCK, "resamples": RESAMPLES, "seed": SEED, "nll": {}, "logit_kl": {}}
-    scoring = score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, on_progress, on_step)
-    for name, scored in scoring:
+    blocks = Blocks(BLOCK, RESAMPLES, SEED)
+    for name, scored in score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, track):
         nll_index = torch.arange(len(scored.nll))
-        blocks["nll"][name], blocks["nll_counts"] = block_means(scored.nll, nll_index, lo, hi)
-        blocks["logit_kl"][name], blocks["kl_counts"] = block_means(scored.kl, nll_index[::kl_every], lo, hi)
+        blocks.nll[name], blocks.nll_counts = block_means(scored.nll, nll_index, lo, hi)
+        blocks.logit_kl[name], blocks.kl_counts = block_means(scored.kl, nll_index[::kl_every], lo, hi)
         stored = scored.cache.get_seq_length()
         size = from_nbytes(scored.cache.nbytes(), lm.dtype)
         fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, stored)
         perplexity = round(scored.ppl[str(tokens)], 4)
-        results.append(
-            {
-                "precision": name,
-                "ppl": perplexity,
-                "delta_vs_full": round(perplexity - (results[0]["ppl"] if results else perplexity), 4),
-                "logit_kl": float(f"{scored.logit_kl[str(tokens)]:.4g}"),
-                "bits_per_element": round(SERVE_BITS * size.at16 / fp16, 3),
-                "ratio_vs_fp16": round(fp16 / size.at16, 4),
-                "live_bytes": int(size.live),
-                "stored_tokens": stored,
-            }
+        row = PplRow(
+            precision=name,
+            ppl=perplexity,
+            delta_vs_full=round(perplexity - (results[0].ppl if results else perplexity), 4),
+            logit_kl=float(f"{scored.logit_kl[str(tokens)]:.4g}"),
+            bits_per_element=round(SERVE_BITS * size.at16 / fp16, 3),
+            ratio_vs_fp16=round(fp16 / size.at16, 4),
+            live_bytes=int(size.live),
+            stored_tokens=stored,
         )
-        if on_row is not None:
-            on_row(dict(results[-1]))
+        results.append(row)
+        track.advance(f"{name} scored", 0, row=replace(row))
     drawn = resampled_figures(blocks)
     for r in results:
-        for measure in ("delta_vs_full", "logit_kl"):
-            r[f"{measure}_ci95"] = interval95(drawn[measure][r["precision"]])
-    out = {
-        "model": lm.name,
-        "text": text_name,
-        "tokens": tokens,
-        "prefix": prefix,
-        "chunk": chunk,
-        "scored_positions": [tokens // 2, tokens],
-        "basis": f"bits and ratios at 16 bits for the full-precision parts (the model runs in {dtype_name(lm.dtype)}); "
+        r.delta_vs_full_ci95 = interval95(drawn["delta_vs_full"][r.precision])
+        r.logit_kl_ci95 = interval95(drawn["logit_kl"][r.precision])
+    return PplReport(
+        model=lm.name,
+        text=text_name,
+        tokens=tokens,
+        prefix=prefix,
+        chunk=chunk,
+        scored_positions=[tokens // 2, tokens],
+        basis=f"bits and ratios at 16 bits for the full-precision parts (the model runs in {dtype_name(lm.dtype)}); "
         "live_bytes as stored",
-        "results": results,
-        "blocks": blocks,
-    }
-    described = books.used_by(lm, specs, codebooks)
-    if described is not None:
-        out["codebooks"] = described
-    return out
+        results=results,
+        blocks=blocks,
+        codebooks=books.used_by(lm, specs, codebooks),
+    )
 
 
 HELD_OUT_TOKENS = 16384  # the most the held-out prose gives before it repeats (17.2k SmolLM2 tokens)
@@ -260,48 +268,12 @@ def longest_text(lm: LoadedModel, document_tokens: int | None = None) -> int:
 
 
 def work_tokens(tokens: int, prefix: int, quantized: int) -> int:
-    """Tokens of model work in one run (for time hints, kvdemo.progress): the exact prefix once, then the rest
-    decoded through full precision and each of `quantized` caches."""
+    """Tokens of model work in one run (its progress units, and time hints: kvdemo.progress): the exact prefix
+    once, then the rest decoded through full precision and each of `quantized` caches."""
     return prefix + (tokens - prefix) * (quantized + 1)
 
 
-def result_rows(results: Sequence[dict]) -> list[dict]:
-    """run_ppl's result rows as the app's table shows them (a row without its intervals, as `on_row` gives
-    it, shows none)."""
-    rows = []
-    for r in results:
-        rows.append(
-            {
-                "precision": r["precision"],
-                "perplexity": round(r["ppl"], 3),
-                "delta vs full": round(r["delta_vs_full"], 3),
-                "delta 95%": interval_text(r.get("delta_vs_full_ci95")),
-                "logit KL": float(f"{r['logit_kl']:.3g}"),
-                "KL 95%": interval_text(r.get("logit_kl_ci95"), ".3g"),
-                "bits/element": r["bits_per_element"],
-                "x smaller than fp16": round(r["ratio_vs_fp16"], 2),
-            }
-        )
-    return rows
-
-
-def interval_note(report: dict) -> str:
-    """What a run_ppl report's intervals rest on, and where they are too thin to rank anything."""
-    lo, hi = report["scored_positions"]
-    blocks = len(report["blocks"]["nll_counts"])
-    note = (
-        f"Perplexity over tokens {lo:,} to {hi:,} ({hi - lo:,} scored, the first {report['prefix']:,} stored exactly). "
-        f"95% intervals: {report['blocks']['resamples']:,} resamples of {blocks} blocks of {report['blocks']['size']} "
-        "tokens; two precisions differ beyond doubt on a measure only where their intervals of the difference exclude "
-        "zero, so overlapping intervals here rank nothing. Bits and ratios count every stored byte (codes, scales, "
-        "outliers, sinks, residual window) at 16 bits for full-precision parts."
-    )
-    if blocks < 8:
-        note += f" With {blocks} blocks the intervals are rough: score more tokens for intervals worth reading."
-    return note
-
-
-# --- the methods ablation (issue 17): KVQuant's table, on this model --------------------------------
+# --- the methods ablation: KVQuant's table, on this model -------------------------------------------
 
 ABLATION_BITS = (4, 3, 2)
 ABLATION_COLUMNS = {  # column -> precision at {b} bits (None: the column has no format at that width)
@@ -321,74 +293,6 @@ ABLATION_COLUMNS = {  # column -> precision at {b} bits (None: the column has no
 # "nuq + 1% + pre-RoPE + sink" is KVQuant's whole recipe
 
 
-ABLATION_REPORT = Path(__file__).resolve().parent.parent / "assets" / "reports" / "ablation.json"  # the shipped run
-
-
-def load_ablation(path: Path = ABLATION_REPORT) -> dict | None:
-    """The ablation report at `path` (the shipped one by default), or None when there is none."""
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def ablation_cell_rows(report: dict) -> list[dict]:
-    """One row per cell of an ablation report, for a table: bits, column, precision and its figures."""
-    rows = []
-    for row in report["rows"]:
-        for col in report["columns"]:
-            r = row["cells"][col]
-            if r is not None:
-                rows.append(
-                    {
-                        "bits": row["bits"],
-                        "method": col,
-                        "precision": r["precision"],
-                        "ppl delta": f"{r['delta_vs_full']:+.3f}",
-                        "delta 95%": interval_text(r.get("delta_vs_full_ci95")),
-                        "logit KL": f"{r['logit_kl']:.2e}",
-                        "bits/element": r["bits_per_element"],
-                        "x smaller than fp16": r["ratio_vs_fp16"],
-                    }
-                )
-    return rows
-
-
-def ablation_cost_rows(report: dict) -> list[dict]:
-    """What each measured format costs and buys, from an ablation report's `memory` (the live cache at
-    `tokens`, to the byte) and `decode` (tok/s in one interleaved run) parts: one row per precision in
-    either, first-seen order; a figure the report did not measure is None."""
-    memory = {r["precision"]: r for r in report["memory"]["results"]}
-    decode = {r["precision"]: r for r in report["decode"]["results"]}
-    base = report["decode"]["results"][0]["precision"]
-    rows = []
-    for name in dict.fromkeys([*memory, *decode]):
-        m, d = memory.get(name), decode.get(name)
-        rows.append(
-            {
-                "precision": name,
-                f"x smaller than fp16 @{report['memory']['tokens']}": None
-                if m is None
-                else round(m["ratio_vs_fp16"], 2),
-                "bits/element": None if m is None else m["bits_per_element"],
-                f"decode tok/s @{report['decode']['context']}": None if d is None else d["tokens_per_s"],
-                f"decode vs {base}": None if d is None else d["vs_first"],
-            }
-        )
-    return rows
-
-
-def ablation_claim_rows(report: dict) -> list[dict]:
-    """One row per claim of an ablation report: the verdict on this text's figures and over resampled text."""
-    return [
-        {
-            "claim": c["claim"],
-            "figures": f"{c['values'][0]:.4g} vs {c['values'][1]:.4g}",
-            "on this text": "holds" if c["holds"] else "does not hold",
-            "over resampled text": c.get("verdict", ""),
-            "difference 95%": interval_text(c.get("difference_ci95"), "+.3g"),
-        }
-        for c in report["checks"]
-    ]
-
-
 def ablation_precisions(bits: Sequence[int] = ABLATION_BITS) -> dict[int, dict[str, str | None]]:
     """{bits: {column: precision or None}}: NVFP4 is a 4-bit format only."""
     return {
@@ -402,64 +306,36 @@ def run_ablation(
     tokens: int = 4096,
     prefix: int = 1024,
     bits: Sequence[int] = ABLATION_BITS,
-    on_progress: Callable[[str], None] | None = None,
     codebooks=None,
-) -> dict:
-    """`run_ppl` over every cell of the ablation grid in one run (full precision first), and the grid:
-    {"columns", "rows": [{"bits", "cells": {column: result row or None}}], "checks"} besides run_ppl's keys.
-    checks: the issue's claims on this model, each with the figures it compares and whether it holds."""
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> AblationReport:
+    """`run_ppl` over every cell of the ablation grid in one run (full precision first), the grid, and the claims
+    checked on this model (`ablation_checks`). The live memory and decode speed parts are the CLI's to add."""
     grid = ablation_precisions(bits)
     names = [p for row in grid.values() for p in row.values() if p is not None]
-    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress, codebooks=codebooks)
-    by_name = {r["precision"]: r for r in out["results"]}
-    out["columns"] = list(ABLATION_COLUMNS)
-    out["rows"] = [
-        {
-            "bits": b,
-            "cells": {col: (None if p is None else by_name[parse_precision(p).label]) for col, p in row.items()},
-        }
+    scores = run_ppl(lm, names, tokens, prefix, codebooks=codebooks, on_progress=on_progress, should_stop=should_stop)
+    by_name = {r.precision: r for r in scores.results}
+    rows = [
+        AblationRow(b, {col: (None if p is None else by_name[parse_precision(p).label]) for col, p in row.items()})
         for b, row in grid.items()
     ]
-    out["checks"] = ablation_checks(by_name, out["blocks"])
-    return out
+    return AblationReport(scores, list(ABLATION_COLUMNS), rows, ablation_checks(scores.results, scores.blocks))
 
 
-def ablation_checks(by_name: dict, blocks: dict | None = None) -> list[dict]:
-    """The issue's perplexity claims, measured: fewer bits no worse, and 2 bits made usable (as the issue states
-    it, with KVQuant's fp16 first token added, against uniform codes given the same sink, and with KVQuant's
-    whole recipe: outliers, pre-RoPE keys and the sink). Each claim is checked on the perplexity delta (the
-    issue's measure) and again on the logit KL vs full precision over the same positions: the delta of one
-    text moves with small changes of the codes, the KL (every kept position's whole next-token distribution)
-    less so, so a claim that holds on both is the one to quote.
+def ablation_checks(rows: Sequence[PplRow], blocks: Blocks | None = None) -> list[Check]:
+    """The perplexity claims (`kvdemo.results.ablation.CLAIMS`), measured: each on the perplexity delta and on the
+    logit KL, with, when `blocks` (a report's) are given, the 95% interval of the difference (figure minus its
+    bar) over resampled text and its verdict: "holds" or "does not hold" when the interval excludes zero, "not
+    settled by this text" when it straddles it."""
+    if blocks is None:
+        return ablation.checks(rows)
+    drawn = resampled_figures(blocks)
 
-    blocks (a report's "blocks"): each check also gets the 95% interval of the difference (figure minus its
-    bar) over resampled text, and a verdict: "holds" or "does not hold" when the interval excludes zero,
-    "not settled by this text" when it straddles it."""
-    drawn = None if blocks is None else resampled_figures(blocks)
-    checks = []
-    claims = (  # (precision, the one it is held to, share of that one's figure it may reach)
-        ("nuq3:o1", "int4", 1.0),
-        ("nuq3:o1:prerope:s1", "int4", 1.0),
-        ("nuq2:o1", "int2", 0.2),
-        ("nuq2:o1:s1", "int2", 0.2),
-        ("nuq2:o1:s1", "int2:s1", 0.2),
-        ("nuq2:o1:prerope:s1", "int2", 0.2),
-    )
-    for measure, name in (("delta_vs_full", "delta"), ("logit_kl", "logit KL")):
-        for nuq, uniform, share in claims:
-            a, b = (by_name.get(p, {}).get(measure) for p in (nuq, uniform))
-            if a is not None and b is not None:
-                bar = f"{uniform} {name}" if share == 1.0 else f"{share:.0%} of {uniform} {name}"
-                check = {"claim": f"{nuq} {name} <= {bar}", "values": [a, b], "holds": a <= share * b}
-                if drawn is not None and nuq in drawn[measure] and uniform in drawn[measure]:
-                    low, high = check["difference_ci95"] = interval95(
-                        drawn[measure][nuq] - share * drawn[measure][uniform]
-                    )
-                    check["verdict"] = (
-                        "holds" if high < 0 else "does not hold" if low > 0 else "not settled by this text"
-                    )
-                checks.append(check)
-    return checks
+    def difference(measure: str, precision: str, bar: str, share: float) -> list[float]:
+        return interval95(drawn[measure][precision] - share * drawn[measure][bar])
+
+    return ablation.checks(rows, difference)
 
 
 # --- how far one text's figures carry: a paired block bootstrap (module docstring) ------------------
@@ -483,14 +359,14 @@ def block_means(values: torch.Tensor, index: torch.Tensor, lo: int, hi: int, blo
     return [float(f"{m:.6g}") for m in means], [int(c) for c in counts]
 
 
-def resampled_figures(blocks: dict) -> dict[str, dict[str, torch.Tensor]]:
-    """A report's "blocks" -> {"delta_vs_full" | "logit_kl": {precision: [RESAMPLES] figure on each draw}}:
+def resampled_figures(blocks: Blocks) -> dict[str, dict[str, torch.Tensor]]:
+    """A report's blocks -> {"delta_vs_full" | "logit_kl": {precision: [RESAMPLES] figure on each draw}}:
     the same seeded draws of blocks (with replacement) for every cache; the delta is against the first cache
     (full precision)."""
-    gen = torch.Generator().manual_seed(blocks["seed"])
-    n_blocks = len(blocks["nll_counts"])
-    draws = torch.randint(0, n_blocks, (blocks["resamples"], n_blocks), generator=gen)
-    times = torch.zeros(blocks["resamples"], n_blocks, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(blocks.seed)
+    n_blocks = len(blocks.nll_counts)
+    draws = torch.randint(0, n_blocks, (blocks.resamples, n_blocks), generator=gen)
+    times = torch.zeros(blocks.resamples, n_blocks, dtype=torch.float64)
     times.scatter_add_(1, draws, torch.ones(draws.shape, dtype=torch.float64))  # [R, blocks] times each is drawn
 
     def means(per_block: dict, counts: list) -> dict[str, torch.Tensor]:
@@ -498,11 +374,11 @@ def resampled_figures(blocks: dict) -> dict[str, dict[str, torch.Tensor]]:
         total = w.sum(1).clamp(min=1)
         return {name: w @ torch.tensor(m, dtype=torch.float64) / total for name, m in per_block.items()}
 
-    ppl = {name: nll.exp() for name, nll in means(blocks["nll"], blocks["nll_counts"]).items()}
+    ppl = {name: nll.exp() for name, nll in means(blocks.nll, blocks.nll_counts).items()}
     full = next(iter(ppl.values()))
     return {
         "delta_vs_full": {name: p - full for name, p in ppl.items()},
-        "logit_kl": means(blocks["logit_kl"], blocks["kl_counts"]),
+        "logit_kl": means(blocks.logit_kl, blocks.kl_counts),
     }
 
 
@@ -551,95 +427,25 @@ def run_kv_split(
     precisions: Sequence[PrecisionSpec | str],
     tokens: int = 4096,
     prefix: int = 1024,
-    on_progress: Callable[[str], None] | None = None,
     codebooks=None,
     text: tuple[str, Sequence[int]] | None = None,
-) -> dict:
+    on_progress: ProgressFn | None = None,
+    should_stop: StopFn | None = None,
+) -> KvSplitReport:
     """`run_ppl` over each quantized precision's `kv_split_precisions` in one run (full precision runs first as
-    always), and per precision a `split_summary` ("splits")."""
+    always), and per precision its `split_summary`."""
     splits = [kv_split_precisions(p) for p in map(parse_precision, precisions) if p.is_quantized]
     if not splits:
         raise ValueError("--kv-split needs a quantized precision: full precision has no loss to split")
     names = list(dict.fromkeys(label for roles in splits for label in roles.values()))
-    out = run_ppl(lm, names, tokens, prefix, on_progress=on_progress, codebooks=codebooks, text=text)
-    out["splits"] = [split_summary(out, roles) for roles in splits]
-    return out
-
-
-def split_summary(report: dict, roles: dict[str, str]) -> dict:
-    """One precision's split from a report holding its roles' rows: {"precision", "roles", "kl_share": {"keys
-    alone", "values alone"}, "comparisons": [role vs "as given" on the logit KL]}."""
-    by_name = {r["precision"]: r for r in report["results"]}
-    given = roles["as given"]
-    kl = by_name[given]["logit_kl"]
-    drawn = resampled_figures(report["blocks"])["logit_kl"]
-    comparisons = []
-    for role, label in roles.items():
-        if role != "as given":
-            low, high = interval95(drawn[label] - drawn[given])
-            verdict = "lower" if high < 0 else "higher" if low > 0 else "not settled by this text"
-            comparisons.append(
-                {
-                    "role": role,
-                    "precision": label,
-                    "difference": float(f"{by_name[label]['logit_kl'] - kl:.4g}"),
-                    "difference_ci95": [low, high],
-                    "verdict": verdict,
-                }
-            )
-    share = {  # a part alone over the whole: k8v4's values alone are k8v4 itself (share 1)
-        role: round(by_name[roles.get(role, given)]["logit_kl"] / kl, 4) if kl > 0 else None
-        for role in ("keys alone", "values alone")
-    }
-    return {"precision": given, "roles": roles, "kl_share": share, "comparisons": comparisons}
-
-
-KV_SPLIT_REPORT = ABLATION_REPORT.with_name("ppl_kv_split.json")  # the shipped `ppl --kv-split` run
-
-
-def load_kv_split(path: Path = KV_SPLIT_REPORT) -> dict | None:
-    """The `ppl --kv-split` report at `path` (the shipped one by default), or None when there is none."""
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def split_rows(report: dict) -> list[dict]:
-    """One row per precision and role of a `ppl --kv-split` report: what it stores, its bits, delta and logit KL,
-    and its KL minus the precision's as given with the 95% interval over resampled text and the verdict."""
-    by_name = {r["precision"]: r for r in report["results"]}
-    rows = []
-    for split in report["splits"]:
-        against = {c["role"]: c for c in split["comparisons"]}
-        for role, label in split["roles"].items():
-            r, c = by_name[label], against.get(role)
-            rows.append(
-                {
-                    "precision": split["precision"],
-                    "role": role,
-                    "stored as": label,
-                    "bits/element": f"{r['bits_per_element']:.2f}",
-                    "delta vs full": f"{r['delta_vs_full']:+.3f}",
-                    "logit KL": f"{r['logit_kl']:.2e}",
-                    "KL minus as given, 95%": ""
-                    if c is None
-                    else f"{c['difference']:+.3g} [{c['difference_ci95'][0]:+.3g}, {c['difference_ci95'][1]:+.3g}]",
-                    "verdict": "" if c is None else c["verdict"],
-                }
-            )
-    return rows
-
-
-def split_sentence(split: dict) -> str:
-    """One precision of a `ppl --kv-split` report in words: how much of its logit KL its keys alone and its
-    values alone reach, and what moving a bit between them does."""
-    share = split["kl_share"]
-    if share["keys alone"] is None:
-        return f"{split['precision']}: no logit KL to split"
-    text = (
-        f"{split['precision']}: its keys alone reach {share['keys alone']:.0%} of its logit KL, its values alone "
-        f"{share['values alone']:.0%}"
+    scores = run_ppl(
+        lm, names, tokens, prefix, codebooks=codebooks, text=text, on_progress=on_progress, should_stop=should_stop
     )
-    for c in split["comparisons"]:
-        if c["role"].startswith("a bit"):
-            low, high = c["difference_ci95"]
-            text += f"; {c['role']} ({c['precision']}): KL {c['difference']:+.3g} (95% {low:+.3g}..{high:+.3g}), {c['verdict']}"
-    return text
+    return KvSplitReport(scores, [split_summary(scores, roles) for roles in splits])
+
+
+def split_summary(report: PplReport, roles: dict[str, str]) -> Split:
+    """One precision's split from a report holding its roles' rows (`kvdemo.results.kv_split.summarize`), each
+    role's logit KL against the precision's over the report's resampled blocks."""
+    drawn = resampled_figures(report.blocks)["logit_kl"]
+    return kv_split.summarize(report.results, roles, lambda label, given: interval95(drawn[label] - drawn[given]))

@@ -21,6 +21,7 @@ import torch
 
 from .layout import bytes_per_token
 from .precision import PrecisionSpec, parse_precision
+from .results.measured import MemoryReport
 
 MIB = 2**20
 GB = 10**9
@@ -118,6 +119,35 @@ def cache_caption(lm, precision: str, live_bytes: int, tokens: int) -> str:
     return f"cache {of_cache(lm, precision, live_bytes, tokens).text()} for {tokens:,} tokens"
 
 
+def live_table(lm, report: MemoryReport) -> tuple[str, list[dict]]:
+    """The Memory page's measured caches (`kvdemo.measured.compare_measured`'s report): a caption naming the basis
+    and the full cache they are compared with, and one row per precision: live MiB, at 16 bits, x smaller than
+    full (live over live), the formula, live vs formula, bytes/token, bits/element and the residual window."""
+    dtype = getattr(torch, report.dtype)
+    live = {r.precision: from_nbytes(r.breakdown, dtype) for r in report.results}
+    full = live.get("full") or prefilled(lm, "full", report.tokens)
+    caption = (
+        f"{report.tokens:,} tokens. Live bytes in {report.dtype} (full-precision parts: a full cache, "
+        "sinks, the residual window), beside the same cache with those parts at 16 bits; "
+        f"x smaller: live over live, against a full {report.dtype} cache of the same tokens ({full.text()})."
+    )
+    rows = [
+        {
+            "precision": r.precision,
+            f"live MiB ({report.dtype})": r.bytes / MIB,
+            "at 16 bits, MiB": live[r.precision].at16 / MIB,
+            "x smaller than full (live)": round(live[r.precision].times_smaller(full), 2),
+            "formula MiB": r.formula_bytes / MIB,
+            "live vs formula": f"{100 * r.error_vs_formula:+.3f}%",
+            "bytes/token": r.bytes_per_token,
+            "bits/element": r.bits_per_element,
+            "residual MiB": r.breakdown["residual"] / MIB,
+        }
+        for r in report.results
+    ]
+    return caption, rows
+
+
 def basis_note(lm) -> str:
     """One line naming the basis, for captions."""
     name = dtype_name(lm.dtype)
@@ -170,19 +200,15 @@ def _fits(memory_gb: float, context: int, precisions: tuple[str, ...]) -> tuple[
     rows = []
     for cfg in sorted(model_configs().values(), key=lambda c: c.params):
         ctx = min(context, cfg.max_context)
-        out = headroom(cfg, budget, precisions, context=ctx, weight_bits=16)
-        labels = list(out["max_sequences"])
+        plan = headroom(cfg, budget, precisions, context=ctx, weight_bits=16)
         rows.append(
             {
                 "model": cfg.display_name,
                 "load as": cfg.source.removeprefix("https://huggingface.co/"),
                 "params (B)": round(cfg.params / 1e9, 2),
-                "weights (GB, 16-bit)": round(out["weights_bytes"] / GB, 1),
+                "weights (GB, 16-bit)": round(plan.weights_bytes / GB, 1),
                 "context": ctx,
-                **{
-                    label: out["max_context_for_users"][label] if out["fits"] and out["max_sequences"][label] else 0
-                    for label in labels
-                },
+                **{p.label: p.max_context_for_users if plan.fits and p.max_sequences else 0 for p in plan.precisions},
             }
         )
     return tuple(rows)

@@ -348,8 +348,8 @@ def test_memory_page_headroom_and_measured_cache():
     at.multiselect(key="mem_precisions").set_value(["full", "int4"])
     at.button(key="mem_run").click().run()
     assert not at.exception and not at.error
-    rows = at.session_state["mem_result"]["results"]
-    assert [r["precision"] for r in rows] == ["full", "int4"] and rows[1]["bytes"] < rows[0]["bytes"]
+    rows = at.session_state["mem_result"].results
+    assert [r.precision for r in rows] == ["full", "int4"] and rows[1].bytes < rows[0].bytes
 
 
 def test_precision_boxes_take_typed_strings_and_say_why_one_is_left_out():
@@ -360,9 +360,9 @@ def test_precision_boxes_take_typed_strings_and_say_why_one_is_left_out():
     (err,) = [e.value for e in at.error]
     assert err.startswith("'INT5:g16' left out: unknown precision") and "k<key>v<value>" in err
     at.button(key="mem_run").click().run()
-    rows = at.session_state["mem_result"]["results"]
-    assert [r["precision"] for r in rows] == ["full", "knuq4vnuq2:o1"]  # the typed string measured, the bad one not
-    assert rows[1]["bytes"] == rows[1]["formula_bytes"]
+    rows = at.session_state["mem_result"].results
+    assert [r.precision for r in rows] == ["full", "knuq4vnuq2:o1"]  # the typed string measured, the bad one not
+    assert rows[1].bytes == rows[1].formula_bytes
     at.switch_page("app_pages/needle.py").run()
     at.switch_page("app_pages/memory.py").run()  # the picks, typed ones too, survive another page
     assert at.multiselect(key="mem_precisions").value == ["full", "knuq4vnuq2:o1", "INT5:g16"]
@@ -406,7 +406,7 @@ def test_four_sessions_at_once_queue_and_never_see_each_other():
 # --- one basis for sizes, stronger models, partial needle grids, measured time hints ------------------
 def test_every_size_is_live_bytes_with_its_16_bit_equivalent_and_ratios_agree():
     """Home, the sidebar and the chat captions all state live bytes in the model's dtype (float32 on CPU)
-    with the 16-bit equivalent, and their ratios are live over live (issue 16, item 2)."""
+    with the 16-bit equivalent, and their ratios are live over live."""
     at = start()
     metric = next(m for m in at.metric if m.label == "KV bytes/token at int4")
     assert metric.value == "6,300 B" and "7.31x smaller" in metric.delta  # 46,080 / 6,300, both live
@@ -527,7 +527,7 @@ def test_findings_cancel_shows_the_finished_measurements_then_a_finished_run_rep
 def test_perplexity_page_scores_held_out_prose_then_the_users_document():
     """The Perplexity page runs kvdemo.ppl.run_ppl on what it names: the held-out prose, then the uploaded
     document (a document too short to score says so and leaves the page serving)."""
-    from kvdemo import ppl
+    from kvdemo.results.ppl import HELD_OUT_NAME
     from kvdemo.texts import prose
 
     at = start("app_pages/perplexity.py")
@@ -536,8 +536,8 @@ def test_perplexity_page_scores_held_out_prose_then_the_users_document():
     at.button(key="ppl_run").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     out = at.session_state["ppl_result"]
-    assert out["text"] == ppl.HELD_OUT_NAME and [r["precision"] for r in out["results"]] == ["full", "int4"]
-    assert at.subheader[0].value == f"{ppl.HELD_OUT_NAME}: tokens 128 to 256 scored"
+    assert out.text == HELD_OUT_NAME and [r.precision for r in out.results] == ["full", "int4"]
+    assert at.subheader[0].value == f"{HELD_OUT_NAME}: tokens 128 to 256 scored"
     assert list(at.dataframe[0].value["precision"]) == ["full", "int4"]
     assert len(at.get("plotly_chart")) == 1 and len(at.get("download_button")) == 2
 
@@ -548,7 +548,7 @@ def test_perplexity_page_scores_held_out_prose_then_the_users_document():
     assert not at.exception
     assert any("notes.txt has" in e.value and "at least 256" in e.value for e in at.error)
     assert at.button(key="ppl_run").disabled
-    assert at.session_state["ppl_result"] is out and at.subheader[0].value.startswith(ppl.HELD_OUT_NAME)  # still shown
+    assert at.session_state["ppl_result"] is out and at.subheader[0].value.startswith(HELD_OUT_NAME)  # still shown
 
     at.switch_page("app_pages/chat.py").run()
     upload(at, "chapter.txt", prose()[:4000].encode())
@@ -557,12 +557,13 @@ def test_perplexity_page_scores_held_out_prose_then_the_users_document():
     at.button(key="ppl_run").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     mine = at.session_state["ppl_result"]
-    assert mine["text"] == "chapter.txt" and mine["tokens"] == at.number_input(key="ppl_tokens").value
-    assert mine["results"][0]["ppl"] != out["results"][0]["ppl"]
+    assert mine.text == "chapter.txt" and mine.tokens == at.number_input(key="ppl_tokens").value
+    assert mine.results[0].ppl != out.results[0].ppl
 
 
 def test_perplexity_cancel_keeps_the_last_run_and_shows_the_finished_precisions(monkeypatch):
     from kvdemo import ppl
+    from kvdemo.progress import Progress
 
     at = start("app_pages/perplexity.py")
     at.number_input(key="ppl_tokens").set_value(256)
@@ -570,8 +571,8 @@ def test_perplexity_cancel_keeps_the_last_run_and_shows_the_finished_precisions(
     at.button(key="ppl_run").click().run()
     complete = at.session_state["ppl_result"]
 
-    def full_then_cancel(lm, precisions, tokens, prefix, on_row=None, **kw):
-        on_row(dict(complete["results"][0]))
+    def full_then_cancel(lm, precisions, tokens, prefix, on_progress=None, **kw):
+        on_progress(Progress(192, 576, "tokens", "full scored", 0.5, row=complete.results[0]))
         raise StopException()  # what Streamlit raises in the script when the user's Cancel click reruns it
 
     monkeypatch.setattr(ppl, "run_ppl", full_then_cancel)

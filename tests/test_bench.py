@@ -1,5 +1,5 @@
-"""kvdemo.bench: byte counting of transformers' caches, goal judging, and the quick bench end to end
-(in process and through the CLI)."""
+"""The benchmark against transformers' caches (kvdemo.contest, its report kvdemo.results.bench): byte counting of
+transformers' caches, goal judging, and the quick bench end to end (in process and through the CLI)."""
 
 import json
 import math
@@ -7,13 +7,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, QuantizedCache
 from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
-from kvdemo import bench, ppl, runner
+from kvdemo import machine, ppl, runner
+from kvdemo.contest import contenders, decode
+from kvdemo.contest.run import run_bench
+from kvdemo.results import bench
+from kvdemo.results.bench import BenchReport, BenchSizes, ContenderResult, NeedleSummary
 
 ROOT = Path(__file__).resolve().parent.parent
 B, H, T, D = 1, 2, 256, 64  # toy cache: batch, kv heads, tokens, head_dim
@@ -38,7 +43,7 @@ def _fill(cache, tokens: int = T):
 def test_dynamic_cache_bytes_are_its_tensors():
     cache = _fill(DynamicCache(config=_toy_config()))
     expected = 2 * 2 * B * H * T * D * 4  # layers x (K, V) x elements x fp32
-    assert bench.cache_bytes(cache) == {"live": expected, "allocated": expected}
+    assert contenders.cache_bytes(cache) == {"live": expected, "allocated": expected}
 
 
 @pytest.mark.skipif(not is_optimum_quanto_available(), reason="optimum-quanto not installed")
@@ -48,31 +53,31 @@ def test_quanto_cache_bytes_count_packed_codes_and_scales(nbits):
     elements = B * H * T * D
     groups = elements // 64  # quanto default q_group_size 64, contiguous along head_dim
     per_tensor = elements * nbits // 8 + groups * 2 * 4  # packed codes + fp32 scale and shift per group
-    assert bench.cache_bytes(cache)["live"] == 2 * 2 * per_tensor
+    assert contenders.cache_bytes(cache)["live"] == 2 * 2 * per_tensor
     q = cache.layers[0]._quantized_keys
     assert type(q) is not torch.Tensor  # a quanto QTensor: its reported shape is not its storage
-    assert q.numel() * q.element_size() != bench.tensor_bytes(q)
+    assert q.numel() * q.element_size() != contenders.tensor_bytes(q)
 
 
 @pytest.mark.skipif(
-    not (is_optimum_quanto_available() and bench.quanto_extension_built()),
+    not (is_optimum_quanto_available() and machine.quanto_extension_built()),
     reason="optimum-quanto's C++ extension is not built (dequantizing would build it: minutes)",
 )
 def test_quanto_cache_bytes_include_the_residual():
     cache = _fill(QuantizedCache(backend="quanto", config=_toy_config(), nbits=4))
-    before = bench.cache_bytes(cache)["live"]
+    before = contenders.cache_bytes(cache)["live"]
     for layer in range(2):
         k, v = _toy_states(10 + layer, tokens=3)
         cache.update(k, v, layer)  # 3 < residual_length: kept in full precision
-    assert bench.cache_bytes(cache)["live"] - before == 2 * 2 * B * H * 3 * D * 4
+    assert contenders.cache_bytes(cache)["live"] - before == 2 * 2 * B * H * 3 * D * 4
 
 
 def test_fp8_cache_bytes_and_tensor_bytes_containers():
     cache = _fill(QuantizedCache(backend="fp8", config=_toy_config()))
     per_tensor = B * H * T * D + 4  # one byte per element + a fp32 per-tensor scale
-    assert bench.cache_bytes(cache)["live"] == 2 * 2 * per_tensor
+    assert contenders.cache_bytes(cache)["live"] == 2 * 2 * per_tensor
     x = torch.zeros(3, 5, dtype=torch.float16)
-    assert bench.tensor_bytes({"a": (x, [x, None]), "shape": torch.Size([3, 5]), "n": 4}) == 2 * 3 * 5 * 2
+    assert contenders.tensor_bytes({"a": (x, [x, None]), "shape": torch.Size([3, 5]), "n": 4}) == 2 * 3 * 5 * 2
 
 
 @pytest.mark.skipif(not is_hqq_available(), reason="hqq not installed")
@@ -82,18 +87,18 @@ def test_hqq_cache_bytes_count_codes_and_meta():
     elements = B * H * T * D
     meta_bytes = 2 * (elements // 64) * meta["scale"].element_size()  # scale + zero per group of 64
     assert codes.numel() * codes.element_size() == elements // 2
-    assert bench.cache_bytes(cache)["live"] == 2 * 2 * (elements // 2 + meta_bytes)
+    assert contenders.cache_bytes(cache)["live"] == 2 * 2 * (elements // 2 + meta_bytes)
 
 
 def test_sizes_and_contenders_are_validated():
     with pytest.raises(ValueError, match="ppl length"):
-        bench.BenchSizes(ppl_prefix=2048, ppl_lengths=(2048,))
-    with pytest.raises(ValueError, match="chunk"):
-        bench.BenchSizes(chunk=64)
+        BenchSizes(ppl_prefix=2048, ppl_lengths=(2048,))
+    with pytest.raises(ValueError, match="chunk"):  # kvdemo's decode path takes at most 16 queries
+        run_bench(SimpleNamespace(max_context=1 << 20), sizes=BenchSizes(chunk=64))
     with pytest.raises(ValueError, match="multiple of residual"):
-        bench.BenchSizes(new_tokens=100)  # a round that holds a flush in one contender and not in another
-    run, skipped = bench.contenders(quick=False)
-    names = [c.name for c in run] + [s["contender"] for s in skipped]
+        BenchSizes(new_tokens=100)  # a round that holds a flush in one contender and not in another
+    run, skipped = contenders.contenders(quick=False)
+    names = [c.name for c in run] + [s.contender for s in skipped]
     assert names[:8] == [
         "full",
         "kvdemo-int8",
@@ -106,7 +111,7 @@ def test_sizes_and_contenders_are_validated():
     ]
     assert {"hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-fp8"} <= set(names)
     assert {f"kvdemo-{p}" for p in ("int3", "nuq4:o1", "nuq3:o1", "nuq2:o1:s1", "int4:hadamard", "nvfp4")} <= set(names)
-    assert all(s["reason"] for s in skipped)
+    assert all(s.reason for s in skipped)
     for sizes in bench.SIZES.values():  # the timed decode window crosses every quantized contender's flush
         assert sizes.new_tokens * sizes.rounds >= sizes.residual and sizes.new_tokens % sizes.residual == 0
     assert bench.FULL.new_tokens * bench.FULL.rounds >= 2 * bench.FULL.residual
@@ -115,13 +120,13 @@ def test_sizes_and_contenders_are_validated():
 def test_every_quantized_contender_shares_the_residual():
     from kvdemo.precision import parse_precision
 
-    assert bench.kvdemo_precision("int4", 128) == "int4"
-    assert bench.kvdemo_precision("int4", 64) == "int4:g64:r64"  # the group shrinks to fit the residual
-    scheme = parse_precision(bench.kvdemo_precision("int4:ktoken:g64", 128))
+    assert contenders.kvdemo_precision("int4", 128) == "int4"
+    assert contenders.kvdemo_precision("int4", 64) == "int4:g64:r64"  # the group shrinks to fit the residual
+    scheme = parse_precision(contenders.kvdemo_precision("int4:ktoken:g64", 128))
     assert (scheme.key_axis, scheme.group_size, scheme.residual, scheme.key_bits) == ("token", 64, 128, 4)
     for quick, residual in ((False, 128), (True, bench.QUICK.residual)):
-        run, skipped = bench.contenders(quick=quick)
-        every = run + [c for c in bench.contenders(quick=quick)[0] if c.name in {s["contender"] for s in skipped}]
+        run, skipped = contenders.contenders(quick=quick)
+        every = run + [c for c in contenders.contenders(quick=quick)[0] if c.name in {s.contender for s in skipped}]
         for c in every:
             if c.backend == "kvdemo":
                 assert parse_precision(c.precision).residual == residual, c.name
@@ -139,16 +144,16 @@ def test_stored_prompt_keeps_the_same_tail_exact_in_every_cache():
     states = [_toy_states(layer, tokens=200) for layer in range(2)]
     theirs = QuantizedCache(backend="hqq", config=_toy_config(), nbits=4)
     ppl.store_states(theirs, states, residual=128)
-    assert bench.held_exact(theirs) == 72
+    assert contenders.held_exact(theirs) == 72
     assert theirs.layers[0]._quantized_keys[1]["shape"][-2] == 128  # the quantized part: tokens [0, 128)
     ours = QuantizedKVCache("int4", 2)
     ppl.store_states(ours, states, residual=128)
     assert ours.layers[0].length == 200
-    assert bench.held_exact(ours) == 2 * 2 * B * H * 72 * D * 4  # layers x (K, V) x 72 exact fp32 tokens
+    assert contenders.held_exact(ours) == 2 * 2 * B * H * 72 * D * 4  # layers x (K, V) x 72 exact fp32 tokens
     one_update = QuantizedCache(backend="hqq", config=_toy_config(), nbits=4)
     ppl.store_states(one_update, states)
-    assert bench.held_exact(one_update) == 0
-    assert bench.held_exact(DynamicCache(config=_toy_config())) is None
+    assert contenders.held_exact(one_update) == 0
+    assert contenders.held_exact(DynamicCache(config=_toy_config())) is None
 
 
 def test_logit_kl_is_zero_for_equal_rows_and_positive_otherwise():
@@ -161,24 +166,24 @@ def test_logit_kl_is_zero_for_equal_rows_and_positive_otherwise():
     assert kl[0] == pytest.approx(float((a[0].exp() * (a[0] - b[0])).sum()), rel=1e-6)
 
 
-def _synthetic(ppl_ours, ppl_theirs, speed_ours, speed_theirs, ratio_ours, ratio_theirs) -> dict:
-    def row(name, ppl_delta, speed, ratio):
-        return {
-            "contender": name,
-            "ppl_delta": {"4096": ppl_delta},
-            "decode_tok_s": {"4096": speed},
-            "decode_tok_s_rounds": {"4096": [speed]},
-            "ratio_vs_fp16": {"4096": ratio},
-            "setup_s": 1.0,
-        }
+def _contender(name, ppl_delta=0.0, speed=1.0, ratio=1.0, kl=0.0, needle_delta=None) -> ContenderResult:
+    """A row with the figures the judging reads (at 4096 tokens) and empty maps elsewhere."""
+    at = {"4096": ppl_delta}
+    return ContenderResult(
+        name, "kvdemo", "kvdemo", 4, "kvdemo", {}, {}, {}, {"4096": ratio}, {}, {}, {}, at, {}, {"4096": kl},
+        NeedleSummary([], None, 0, 0), needle_delta, {"4096": speed}, {"4096": [speed]}, {}, {}, {}, 1.0, 1.0,
+    )  # fmt: skip
 
-    return {
-        "sizes": {"ppl_lengths": [2048, 4096], "contexts": [1024, 4096]},
-        "results": [
-            row("kvdemo-int4", ppl_ours, speed_ours, ratio_ours),
-            row("hf-quanto-int4", ppl_theirs, speed_theirs, ratio_theirs),
-        ],
-    }
+
+def _report(*rows: ContenderResult, sizes: BenchSizes = bench.FULL) -> BenchReport:
+    return BenchReport({}, "m", False, "full", sizes, {}, list(rows), [], 0.0)
+
+
+def _synthetic(ppl_ours, ppl_theirs, speed_ours, speed_theirs, ratio_ours, ratio_theirs) -> BenchReport:
+    return _report(
+        _contender("kvdemo-int4", ppl_ours, speed_ours, ratio_ours),
+        _contender("hf-quanto-int4", ppl_theirs, speed_theirs, ratio_theirs),
+    )
 
 
 def test_decode_speed_interleaves_single_steps_and_pairs_them(monkeypatch):
@@ -196,52 +201,47 @@ def test_decode_speed_interleaves_single_steps_and_pairs_them(monkeypatch):
         return (99.0 if timed == 0 else step_s[cache][timed - 1]), logits
 
     monkeypatch.setattr(kvdemo.texts, "held_out_ids", lambda lm, n: list(range(n)))
-    monkeypatch.setattr(bench.runner, "new_cache", lambda lm, spec: spec.label)
-    monkeypatch.setattr(bench.runner, "prefill", lambda lm, ids, cache, mode: None)
-    monkeypatch.setattr(bench, "decode_steps", one_step)
-    out = bench.decode_speed(None, ["int4", "int8"], context=8, steps=2, rounds=2)
+    monkeypatch.setattr(decode.runner, "new_cache", lambda lm, spec: spec.label)
+    monkeypatch.setattr(decode.runner, "prefill", lambda lm, ids, cache, mode: None)
+    monkeypatch.setattr(decode, "decode_steps", one_step)
+    seen = []
+    out = decode.decode_speed(None, ["int4", "int8"], context=8, steps=2, rounds=2, on_progress=seen.append)
     assert calls == ["int4", "int8"] + ["int4", "int8"] * 4
-    rows = {r["precision"]: r for r in out["results"]}
-    assert rows["int4"]["tokens_per_s"] == 10.0 and rows["int4"]["vs_first"] == 1.0
-    assert rows["int8"]["tokens_per_s"] == round(1 / 0.3, 3)
-    assert rows["int8"]["vs_first"] == 0.5  # median of 0.5, 1, 0.5, 0.25 (medians alone would say 0.333)
+    rows = {r.precision: r for r in out.results}
+    assert rows["int4"].tokens_per_s == 10.0 and rows["int4"].vs_first == 1.0
+    assert rows["int8"].tokens_per_s == round(1 / 0.3, 3)
+    assert rows["int8"].vs_first == 0.5  # median of 0.5, 1, 0.5, 0.25 (medians alone would say 0.333)
+    assert [p.done for p in seen] == [9, 18, 22, 26] and seen[-1].total == 26  # prompt + warm-up, then rounds
 
 
 def test_goals_are_judged_from_the_numbers():
     met = bench.goals(_synthetic(0.05, -0.2, 6.0, 4.9, 3.66, 3.2))
-    assert [g["met"] for g in met] == [True, True, True]
+    assert [g.met for g in met] == [True, True, True]
     missed = bench.goals(_synthetic(0.3, 0.2, 5.0, 4.9, 3.1, 3.2))
-    assert [g["met"] for g in missed] == [False, False, False]
-    assert missed[1]["measured"]["speedup"] == round(5.0 / 4.9, 3)
-    alone = bench.goals({"sizes": {"ppl_lengths": [4096], "contexts": [4096]}, "results": []})
-    assert [g["met"] for g in alone] == [None, None, None]
+    assert [g.met for g in missed] == [False, False, False]
+    assert missed[1].measured["speedup"] == round(5.0 / 4.9, 3)
+    alone = bench.goals(_report(sizes=BenchSizes(contexts=(4096,), ppl_lengths=(4096,))))
+    assert [g.met for g in alone] == [None, None, None]
 
 
 def test_load_note_judges_the_load_before_the_run_not_the_runs_own():
     """A run keeps every core busy, so the load average at its end is its own: only the start's is other load."""
     own = {"cores": 2, "load_avg_start": [0.1, 0.6, 1.0], "load_avg_end": [2.0, 2.0, 2.0]}
-    assert bench.load_note(own) is None
+    assert machine.load_note(own) is None
     shared = {"cores": 2, "load_avg_start": [1.6, 1.2, 1.0], "load_avg_end": [3.5, 3.0, 2.5]}
-    assert "load average 1.6 on 2 cores" in bench.load_note(shared)
+    assert "load average 1.6 on 2 cores" in machine.load_note(shared)
 
 
 def test_key_vs_value_ratios():
-    def row(name, ppl_delta, kl, needle_delta):
-        return {
-            "contender": name,
-            "ppl_delta": {"4096": ppl_delta},
-            "logit_kl": {"4096": kl},
-            "needle_logprob_delta": needle_delta,
-        }
-
-    report = {"results": [row("kvdemo-k4v8", 0.3, 6e-3, -0.4), row("kvdemo-k8v4", 0.05, 2e-3, -0.1)]}
-    m = bench.key_vs_value(report)["measures"]
-    assert m["ppl_delta@4096"] == {"keys_4bit": 0.3, "values_4bit": 0.05, "ratio": 6.0}
-    assert m["logit_kl@4096"]["ratio"] == 3.0
-    assert m["needle_logprob_loss"] == {"keys_4bit": 0.4, "values_4bit": 0.1, "ratio": 4.0}
-    report["results"][1]["ppl_delta"]["4096"] = -0.01  # values' damage below noise: no ratio, not a sign flip
-    assert bench.key_vs_value(report)["measures"]["ppl_delta@4096"]["ratio"] is None
-    assert bench.key_vs_value({"results": report["results"][:1]}) is None
+    keys = _contender("kvdemo-k4v8", 0.3, kl=6e-3, needle_delta=-0.4)
+    values = _contender("kvdemo-k8v4", 0.05, kl=2e-3, needle_delta=-0.1)
+    m = bench.key_vs_value(_report(keys, values)).measures
+    assert m["ppl_delta@4096"].to_json() == {"keys_4bit": 0.3, "values_4bit": 0.05, "ratio": 6.0}
+    assert m["logit_kl@4096"].ratio == 3.0
+    assert m["needle_logprob_loss"].to_json() == {"keys_4bit": 0.4, "values_4bit": 0.1, "ratio": 4.0}
+    values.ppl_delta["4096"] = -0.01  # values' damage below noise: no ratio, not a sign flip
+    assert bench.key_vs_value(_report(keys, values)).measures["ppl_delta@4096"].ratio is None
+    assert bench.key_vs_value(_report(keys)) is None
 
 
 # --- with the model ------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def test_stored_exact_states_equal_a_real_prefill(lm):
 
     ids = prose_ids(lm, 296)
     states, first = ppl.exact_states(lm, ids[:280])
-    run, _ = bench.contenders(quick=True)
+    run, _ = contenders.contenders(quick=True)
     for c in run:
         with runner.attention_impl(lm, c.attention):
             real = c.make_cache(lm)
@@ -265,7 +265,7 @@ def test_stored_exact_states_equal_a_real_prefill(lm):
             after_stored = runner.forward(lm, ids[280:], stored)
         torch.testing.assert_close(logits, first, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(after_stored, after_real, rtol=1e-5, atol=1e-4)
-        assert bench.cache_bytes(stored) == bench.cache_bytes(real), c.name
+        assert contenders.cache_bytes(stored) == contenders.cache_bytes(real), c.name
     assert lm.model.config._attn_implementation == "kvdemo"  # restored after every switch
 
 
@@ -286,12 +286,12 @@ def test_quick_bench_report_shape_and_files(quick_report):
     report, out, messages = quick_report
     assert set(report) >= {"machine", "results", "skipped", "goals", "sizes", "method", "wall_s", "files"}
     assert {"cpu", "cores", "torch", "transformers", "device", "dtype", "date"} <= set(report["machine"])
-    assert messages and messages[-1].endswith("done")
+    assert messages and messages[-1].split(" (")[0].endswith(" tokens: done")  # Progress.text(), on stderr
     for name in bench.REPORT_FILES:
         assert (out / name).stat().st_size > 0
-    assert json.loads((out / "bench.json").read_text()) == json.loads(json.dumps(report))
-    assert bench.load_report(out) == json.loads(json.dumps(report))
-    assert bench.load_report(out / "missing") is None
+    assert json.loads((out / "bench.json").read_text()) == report
+    assert bench.read_json(out) == report and BenchReport.from_json(report).to_json() == report
+    assert bench.read_json(out / "missing") is None
     names = [r["contender"] for r in report["results"]]
     assert names[:2] == ["full", "kvdemo-int4"] and "hf-fp8" in names
     assert "hf-quanto-int4" in names or any(s["contender"] == "hf-quanto-int4" for s in report["skipped"])

@@ -8,10 +8,15 @@ import re
 import statistics
 from pathlib import Path
 
-from kvdemo import bench, ppl
-from kvdemo.results import needle
+from kvdemo import ppl
+from kvdemo.results import ablation, bench, needle
+from kvdemo.results.ablation import AblationReport
+from kvdemo.results.bench import BenchReport
 from kvdemo.results.drift import DriftReport
+from kvdemo.results.kv_split import KvSplitReport
+from kvdemo.results.measured import MeasuredHeadroom, ScaleReport
 from kvdemo.results.needle import NeedleGrid, repeats_markdown
+from kvdemo.results.ppl import PplReport, codebooks_markdown, markdown_table
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "assets" / "reports"
@@ -95,12 +100,10 @@ def _quotes(text: str, value: float, digits: int, suffix: str = "") -> bool:
 
 
 def test_readme_results_table_is_the_ppl_report():
-    """README's one results table: the `ppl` report's table as `kvdemo.cli.ppl.markdown_table` prints it, row for
-    row, with a link into docs/ on each row; the text above it names the report's command and date."""
-    from kvdemo.cli.ppl import markdown_table
-
+    """README's one results table: the `ppl` report's table as `kvdemo.results.ppl.markdown_table` prints it, row
+    for row, with a link into docs/ on each row; the text above it names the report's command and date."""
     readme, report = _page("README.md"), _report("ppl.json")
-    printed = markdown_table(report).split("\n")
+    printed = markdown_table(PplReport.from_json(report)).split("\n")
     header = _cells(printed[0]) + ["read more"]
     at, rows = _table(readme, header)
     assert [cells[:-1] for cells in rows] == [_cells(line) for line in printed[2:]]
@@ -114,14 +117,14 @@ def test_readme_results_table_is_the_ppl_report():
 
 
 def test_bench_table_is_the_reports_table():
-    """docs/benchmark.md carries the bench report's table as `kvdemo.bench.markdown_table` prints it."""
+    """docs/benchmark.md carries the bench report's table as `kvdemo.results.bench.markdown_table` prints it."""
     report = _report("bench.json")
-    _has_table(_page("benchmark.md"), bench.markdown_table(report).split("\n\n")[0], report["machine"]["date"])
+    table = bench.markdown_table(BenchReport.from_json(report))
+    _has_table(_page("benchmark.md"), table.split("\n\n")[0], report["machine"]["date"])
 
 
 def test_key_vs_value_table_is_the_reports():
-    report = _report("bench.json")
-    text = bench.markdown_table(report)
+    text = bench.markdown_table(BenchReport.from_json(_report("bench.json")))
     block = text[text.index("| measure | 4-bit keys |") :].split("\n\n")[0].strip()
     assert block in _page("benchmark.md")
 
@@ -181,10 +184,8 @@ def test_memory_table_matches_memory_json():
 
 
 def test_measured_headroom_table_is_the_reports_table():
-    from kvdemo.cli.memory import measured_markdown
-
     report = _report("headroom_measured.json")
-    _has_table(_page("memory.md"), measured_markdown(report), report["date"])
+    _has_table(_page("memory.md"), MeasuredHeadroom.from_json(report).markdown(), report["date"])
     for row in report["results"]:  # the bar: measured within 5% of the formula
         assert abs(row["measured_vs_formula"] - 1) <= 0.05, row
 
@@ -292,10 +293,8 @@ def test_prefill_modes_table_is_the_reports():
 
 
 def test_scale_table_is_the_reports_table():
-    from kvdemo.cli.scale import markdown_table
-
     report = _report("scale.json")
-    _has_table(_page("long-contexts.md"), markdown_table(report), report["date"])
+    _has_table(_page("long-contexts.md"), ScaleReport.from_json(report).markdown(), report["date"])
     rows = {r["tokens"]: r for r in report["rows"] if r["precision"] == "int4"}
     assert set(rows) >= {16384, 32768, 65536}
     for r in rows.values():
@@ -306,10 +305,8 @@ def test_scale_table_is_the_reports_table():
 
 
 def test_ppl_table_is_the_reports_table():
-    from kvdemo.cli.ppl import markdown_table
-
     page, report = _page("perplexity.md"), _report("ppl.json")
-    _has_table(page, markdown_table(report), report["date"])
+    _has_table(page, markdown_table(PplReport.from_json(report)), report["date"])
     assert report["command"] in page
     assert report["results"][0]["precision"] == "full" and report["results"][0]["delta_vs_full"] == 0
 
@@ -363,32 +360,29 @@ def test_methods_compile_table_is_the_compile_report():
 
 def test_methods_tables_are_the_ablation_report():
     """The methods page: ablation grid, live memory and decode speed from assets/reports/ablation.json."""
-    from kvdemo.cli.ppl import ablation_markdown, check_line, memory_markdown, speed_markdown
-
-    page, report = _page("methods.md"), _report("ablation.json")
-    for table in (ablation_markdown(report), memory_markdown(report), speed_markdown(report)):
-        _has_table(page, table, report["date"])
-    assert report["command"] in page
-    for row in report["memory"]["results"]:
-        assert row["bytes"] == row["formula_bytes"]  # the live cache agrees with the layout formula to the byte
-    for check in report["checks"]:  # each claim with its verdict over resampled text (kvdemo.ppl's bootstrap)
-        assert "verdict" in check and check_line(check) in page
-    recomputed = ppl.ablation_checks({r["precision"]: r for r in report["results"]}, report["blocks"])
-    assert recomputed == report["checks"]  # the verdicts follow from the per-block figures the report keeps
+    page, report = _page("methods.md"), AblationReport.from_json(_report("ablation.json"))
+    for table in (ablation.markdown(report), report.memory.markdown(), report.decode.markdown()):
+        _has_table(page, table, report.ppl.date)
+    assert report.ppl.command in page
+    for row in report.memory.results:
+        assert row.bytes == row.formula_bytes  # the live cache agrees with the layout formula to the byte
+    for check in report.checks:  # each claim with its verdict over resampled text (kvdemo.ppl's bootstrap)
+        assert check.verdict is not None and check.line() in page
+    recomputed = ppl.ablation_checks(report.ppl.results, report.ppl.blocks)
+    assert recomputed == report.checks  # the verdicts follow from the per-block figures the report keeps
 
 
 def test_oracle_codebooks_table_is_its_report_beside_the_ablation():
     """The "is the calibration the limit?" table: the `ppl --codebooks` report (levels fitted on the scored text)
     beside the ablation's cells with the shipped levels, both scored on the same text (full precision equal)."""
-    from kvdemo.cli.ppl import codebooks_markdown
-
     page = _page("methods.md")
-    oracle, ablation = _report("ppl_oracle_codebooks.json"), _report("ablation.json")
-    _has_table(page, codebooks_markdown(ablation, oracle, "shipped", "oracle"), oracle["date"])
+    oracle, shipped = _report("ppl_oracle_codebooks.json"), _report("ablation.json")
+    table = codebooks_markdown(PplReport.from_json(shipped), PplReport.from_json(oracle), "shipped", "oracle")
+    _has_table(page, table, oracle["date"])
     assert oracle["command"] in page and "--codebooks /tmp/oracle/heldout.safetensors" in oracle["command"]
     assert "calibrate --text held-out --tokens 4096 --out /tmp/oracle/heldout.safetensors" in page
     assert "the text kvdemo ppl scores" in oracle["codebooks"] and "4096 tokens" in oracle["codebooks"]
-    assert oracle["results"][0]["ppl"] == ablation["results"][0]["ppl"]  # the same text, the same reference
+    assert oracle["results"][0]["ppl"] == shipped["results"][0]["ppl"]  # the same text, the same reference
     kl = {r["precision"]: r["logit_kl"] for r in oracle["results"]}
     assert kl["nuq3:o1"] > kl["int4"]  # the verdict the page states: the 3-bit gap is not the calibration's
 
@@ -397,15 +391,14 @@ def test_kv_split_table_and_lines_are_its_report():
     """The "Keys or values" section: the `ppl --kv-split` report's table and one line per precision, its splits
     recomputed from its rows and blocks, and the precisions it shares with the ablation scored as the ablation
     scored them (the same text, protocol and codes)."""
-    from kvdemo.cli.ppl import split_lines, split_markdown
-
-    page, report, ablation = _page("methods.md"), _report("ppl_kv_split.json"), _report("ablation.json")
+    page, split = _page("methods.md"), KvSplitReport.from_json(_report("ppl_kv_split.json"))
+    report, grid = _report("ppl_kv_split.json"), _report("ablation.json")
     assert report["command"] in page
-    _has_table(page, split_markdown(report), report["date"])
-    for line in split_lines(report):
+    _has_table(page, split.markdown(), report["date"])
+    for line in split.lines():
         assert line in page
-    assert report["splits"] == [ppl.split_summary(report, s["roles"]) for s in report["splits"]]
-    theirs = {r["precision"]: r for r in ablation["results"]}
+    assert split.splits == [ppl.split_summary(split.ppl, s.roles) for s in split.splits]
+    theirs = {r["precision"]: r for r in grid["results"]}
     shared = [r for r in report["results"] if r["precision"] in theirs]
     assert len(shared) >= 5  # full, int4, int3, nuq4:o1, nuq3:o1, ...
     for r in shared:

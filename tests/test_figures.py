@@ -17,6 +17,8 @@ from kvdemo.figures.memory import (
 )
 from kvdemo.figures.needle import FULL_MISSED, full_missed_cells, needle_difference_figure, needle_heatmap_figure
 from kvdemo.figures.ppl import ablation_frontier_figure
+from kvdemo.results import ablation
+from kvdemo.results.headroom import Headroom
 from kvdemo.results.needle import NeedleGrid, NeedleRow
 
 LENGTHS = [1000, 2000]
@@ -115,7 +117,7 @@ def test_needle_heatmap_of_a_shipped_grid_reads_its_found_rates():
                 assert trace.text[i][j].startswith(f"{sum(r.correct for r in runs)}/{len(runs)}<br>")
 
 
-def _headroom() -> dict:
+def _headroom() -> Headroom:
     cfg = configs.get_model_config("llama-3.1-70b")
     gpu = configs.get_gpu("h100-80gb")
     return memory.headroom(cfg, gpu, ["full", "fp8", "int8", "k8v4", "int4", "int2"], context=100_000, gpus=4)
@@ -140,21 +142,31 @@ def test_long_chart_titles_wrap():
 def test_ablation_frontier_reads_back_every_cell_of_the_shipped_report():
     """One line per method through its cells (NVFP4: the 4-bit one only), each point at the cell's bits/element
     and KL, its hover the precision, delta and the delta's 95% interval; the table rows say the same."""
-    from kvdemo import ppl
-
-    report = ppl.load_ablation()
+    report = ablation.load_ablation()
     fig = ablation_frontier_figure(report)
-    assert [t.name for t in fig.data] == report["columns"] and fig.layout.yaxis.type == "log"
-    cells = {r["precision"]: r for r in report["results"]}
+    assert [t.name for t in fig.data] == report.columns and fig.layout.yaxis.type == "log"
+    cells = {r.precision: r for r in report.ppl.results}
     for trace in fig.data:
         for x, y, text in zip(trace.x, trace.y, trace.text, strict=True):
             r = cells[text.split("<br>")[0]]
-            assert (x, y) == (r["bits_per_element"], r["logit_kl"])
-            low, high = r["delta_vs_full_ci95"]
-            assert f"ppl delta {r['delta_vs_full']:+.3f} (95%: {low:+.3f} .. {high:+.3f})" in text
-    assert len(fig.data[report["columns"].index("NVFP4")].x) == 1
-    rows = ppl.ablation_cell_rows(report)
-    assert len(rows) == sum(len(t.x) for t in fig.data) == len(report["results"]) - 1  # every cell, not full
-    claims = ppl.ablation_claim_rows(report)
-    assert [c["over resampled text"] for c in claims] == [c["verdict"] for c in report["checks"]]
-    assert ppl.load_ablation(ppl.ABLATION_REPORT.with_name("missing.json")) is None
+            assert (x, y) == (r.bits_per_element, r.logit_kl)
+            low, high = r.delta_vs_full_ci95
+            assert f"ppl delta {r.delta_vs_full:+.3f} (95%: {low:+.3f} .. {high:+.3f})" in text
+    assert len(fig.data[report.columns.index("NVFP4")].x) == 1
+    rows = ablation.cell_rows(report)
+    assert len(rows) == sum(len(t.x) for t in fig.data) == len(report.ppl.results) - 1  # every cell, not full
+    claims = ablation.claim_rows(report)
+    assert [c["over resampled text"] for c in claims] == [c.verdict for c in report.checks]
+    costs = ablation.cost_rows(report)
+    assert [c["precision"] for c in costs] == [
+        "int4",
+        "nuq4:o1",
+        "nuq3:o1",
+        "nuq2:o1",
+        "nuq2:o1:s1",
+        "int3",
+        "nvfp4",
+        "nuq4",
+        "int4:hadamard",
+    ]
+    assert costs[-1]["bits/element"] is None and costs[-1]["decode vs int4"] == report.decode.results[-2].vs_first

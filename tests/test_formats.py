@@ -77,7 +77,7 @@ def test_a_toy_format_runs_through_a_cache_and_a_perplexity_call():
         formula = layout.region_bytes(regions, lm.num_layers, lm.kv_heads, lm.head_dim, spec, 32)
         assert regions.coded == 96 and cache.nbytes()["total"] == formula["total"]  # live bytes = the formula
         report = ppl.run_ppl(lm, ["int1:g32:r32", "int4:g32:r32"], tokens=256, prefix=64, text=("random ids", ids))
-    rows = {r["precision"]: r for r in report["results"]}
+    rows = {r.precision: r for r in report.results}
     assert list(rows) == ["full", "int1:g32:r32", "int4:g32:r32"]
-    assert rows["int1:g32:r32"]["logit_kl"] > rows["int4:g32:r32"]["logit_kl"] > 0  # fewer bits, larger error
-    assert rows["int1:g32:r32"]["ratio_vs_fp16"] > rows["int4:g32:r32"]["ratio_vs_fp16"] > 1
+    assert rows["int1:g32:r32"].logit_kl > rows["int4:g32:r32"].logit_kl > 0  # fewer bits, larger error
+    assert rows["int1:g32:r32"].ratio_vs_fp16 > rows["int4:g32:r32"].ratio_vs_fp16 > 1

@@ -22,13 +22,19 @@ from kvdemo.measured import prefill_updates
 from kvdemo.memory import bytes_per_token, fp16_cache_bytes, headroom, kv_heads_per_gpu, max_tokens, sequence_bytes
 from kvdemo.precision import PRESETS, parse_precision
 from kvdemo.production import ENGINES, LLAMA_CPP_BITS, production_settings
+from kvdemo.results.headroom import Headroom
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL = ["full", "fp8", "int8", "k8v4", "k4v8", "int4", "int2"]
 
 
-def _hr(model="llama-3.1-70b", gpu="h100-80gb", specs=ALL, context=100_000, **kw):
+def _hr(model="llama-3.1-70b", gpu="h100-80gb", specs=ALL, context=100_000, **kw) -> Headroom:
     return headroom(get_model_config(model), get_gpu(gpu, kw.pop("memory_gb", None)), specs, context, **kw)
+
+
+def _by(plan: Headroom, figure: str) -> dict:
+    """precision -> one figure of a plan (the JSON's map of that name)."""
+    return {p.label: getattr(p, figure) for p in plan.precisions}
 
 
 # --- formulas -------------------------------------------------------------------------------------
@@ -82,7 +88,7 @@ def test_max_tokens_inverts_sequence_bytes(spec, budget, heads):
     assert sequence_bytes(cfg, spec, n + 1, kv_heads=heads) > budget
 
 
-def test_reference_configs_cover_the_issue_and_match_their_architecture():
+def test_reference_configs_cover_the_common_models_and_match_their_architecture():
     names = set(configs.model_configs())
     assert {"llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b", "mistral-7b-v0.3", "smollm2-135m"} <= names
     for path in sorted((ROOT / "assets" / "model_configs").glob("*.json")):
@@ -118,10 +124,10 @@ def test_gpu_presets_are_driver_mib_printed_as_gb():
 
 def test_acceptance_int4_gives_at_least_3_5x_the_sequences_of_16_bit():
     out = _hr(specs=["full", "int8", "int4"], gpus=4, context=100_000)
-    assert out["bytes_per_token"]["full"] == 327_680
-    n16, n4 = out["max_sequences"]["full"], out["max_sequences"]["int4"]
+    assert _by(out, "bytes_per_token")["full"] == 327_680
+    n16, n4 = _by(out, "max_sequences")["full"], _by(out, "max_sequences")["int4"]
     assert n16 >= 2 and n4 >= 3.5 * n16, (n16, n4)
-    assert out["max_sequences_16bit"] == n16 and out["sequences_vs_16bit"]["int4"] >= 3.5
+    assert out.max_sequences_16bit == n16 and _by(out, "sequences_vs_16bit")["int4"] >= 3.5
     # same budget, weights held fixed, for other GPUs and contexts where 16-bit fits two or more
     for gpu, gpus, model in (
         ("h200-141gb", 2, "llama-3.1-70b"),
@@ -130,96 +136,103 @@ def test_acceptance_int4_gives_at_least_3_5x_the_sequences_of_16_bit():
     ):
         for context in (32_768, 100_000):
             o = _hr(model, gpu, ["full", "int4"], context, gpus=gpus)
-            if o["max_sequences"]["full"] >= 2:
-                assert o["max_sequences"]["int4"] >= 3.5 * o["max_sequences"]["full"], (gpu, gpus, model, context)
+            if _by(o, "max_sequences")["full"] >= 2:
+                assert _by(o, "max_sequences")["int4"] >= 3.5 * _by(o, "max_sequences")["full"], (
+                    gpu,
+                    gpus,
+                    model,
+                    context,
+                )
 
 
 def test_free_memory_formula():
     cfg, gpu = get_model_config("llama-3.1-8b"), get_gpu("a100-80gb")
     out = headroom(cfg, gpu, ["full", "int4"], 32_768, reserve_gb=5)
     free = gpu.memory_bytes - 5 * GB - cfg.params * 2
-    assert out["free_kv_bytes"] == free
+    assert out.free_kv_bytes == free
     for label in ("full", "int4"):
         seq = sequence_bytes(cfg, label, 32_768)
-        assert out["max_sequences"][label] == math.floor(free / seq)
-        assert out["concurrency"][label] == pytest.approx(free / seq, abs=1e-3)
-        assert out["reason"][label] is None
+        assert _by(out, "max_sequences")[label] == math.floor(free / seq)
+        assert _by(out, "concurrency")[label] == pytest.approx(free / seq, abs=1e-3)
+        assert _by(out, "reason")[label] is None
 
 
 def test_weights_larger_than_the_gpu_give_zero_sequences_with_a_reason():
     out = _hr("llama-3.1-70b", "l4", ALL, 8192)  # 141 GB of weights on one 24 GB card
-    assert not out["fits"]
-    assert set(out["max_sequences"].values()) == {0}
-    assert set(out["max_context_for_users"].values()) == {0}
+    assert not out.fits
+    assert set(_by(out, "max_sequences").values()) == {0}
+    assert set(_by(out, "max_context_for_users").values()) == {0}
     for label in ALL:
-        assert "exceed" in out["reason"][label] and "no room for a KV cache" in out["reason"][label]
-        split = out["split"][label]
-        assert split["kv"] == 0 and split["free"] == 0 and split["over"] > 0
+        assert "exceed" in _by(out, "reason")[label] and "no room for a KV cache" in _by(out, "reason")[label]
+        split = _by(out, "split")[label]
+        assert split.kv == 0 and split.free == 0 and split.over > 0
     # a reserve as large as the GPU leaves nothing either
     big = _hr("llama-3.2-1b", "h100", ["int4"], 4096, reserve_gb=90)
-    assert big["max_sequences"]["int4"] == 0 and "exceed" in big["reason"]["int4"]
+    assert _by(big, "max_sequences")["int4"] == 0 and "exceed" in _by(big, "reason")["int4"]
 
 
 def test_a_sequence_too_long_for_16_bit_fits_quantized():
     out = _hr("llama-3.1-8b", "l4", ["full", "int4"], 131_072)  # 17 GB of 16-bit KV, ~5.6 GB free
-    assert out["fits"]
-    assert out["max_sequences"]["full"] == 0 and "one 131,072-token sequence needs" in out["reason"]["full"]
-    assert out["max_sequences"]["int4"] >= 1 and out["reason"]["int4"] is None
-    assert out["max_sequences_16bit"] == 0 and out["sequences_vs_16bit"]["int4"] is None
+    assert out.fits
+    assert _by(out, "max_sequences")["full"] == 0 and "one 131,072-token sequence needs" in _by(out, "reason")["full"]
+    assert _by(out, "max_sequences")["int4"] >= 1 and _by(out, "reason")["int4"] is None
+    assert out.max_sequences_16bit == 0 and _by(out, "sequences_vs_16bit")["int4"] is None
 
 
 def test_context_beyond_the_model_is_flagged_and_max_context_capped():
     out = _hr("mistral-7b-v0.3", "h200", ["full", "int4"], 65_536)
-    assert out["context_exceeds_model"]
-    assert any("exceeds" in w and "32,768" in w for w in out["warnings"])
+    assert out.context_exceeds_model
+    assert any("exceeds" in w and "32,768" in w for w in out.warnings)
     for label in ("full", "int4"):
-        assert out["max_context_memory"][label] > 32_768
-        assert out["max_context_for_users"][label] == 32_768 and out["max_context_limited_by"][label] == "model"
-    assert not _hr("mistral-7b-v0.3", "h200", ["full"], 32_768)["context_exceeds_model"]
+        assert _by(out, "max_context_memory")[label] > 32_768
+        assert (
+            _by(out, "max_context_for_users")[label] == 32_768 and _by(out, "max_context_limited_by")[label] == "model"
+        )
+    assert not _hr("mistral-7b-v0.3", "h200", ["full"], 32_768).context_exceeds_model
 
 
 def test_tiny_context_sits_inside_the_full_precision_window():
     out = _hr("llama-3.1-8b", "a100-80gb", ALL, 1)
-    assert len(set(out["sequence_bytes"].values())) == 1  # every precision stores 1 token at 16 bits
-    assert len(set(out["max_sequences"].values())) == 1
-    assert any("full-precision window" in w for w in out["warnings"])
+    assert len(set(_by(out, "sequence_bytes").values())) == 1  # every precision stores 1 token at 16 bits
+    assert len(set(_by(out, "max_sequences").values())) == 1
+    assert any("full-precision window" in w for w in out.warnings)
 
 
 def test_multi_gpu_splits_weights_and_kv_heads():
     one = _hr(specs=["full", "int4"], gpus=1, context=32_768)
     two = _hr(specs=["full", "int4"], gpus=2, context=32_768)
     four = _hr(specs=["full", "int4"], gpus=4, context=32_768)
-    assert one["max_sequences"]["int4"] == 0 and "over 1 GPU" in one["reason"]["int4"]
-    assert 0 < two["max_sequences"]["int4"] < four["max_sequences"]["int4"]
-    assert four["kv_heads_per_gpu"] == 2 and four["bytes_per_token_per_gpu"]["full"] == 327_680 // 4
-    assert four["split"]["full"]["weights"] == get_model_config("llama-3.1-70b").params * 2
+    assert _by(one, "max_sequences")["int4"] == 0 and "over 1 GPU" in _by(one, "reason")["int4"]
+    assert 0 < _by(two, "max_sequences")["int4"] < _by(four, "max_sequences")["int4"]
+    assert four.kv_heads_per_gpu == 2 and _by(four, "bytes_per_token_per_gpu")["full"] == 327_680 // 4
+    assert _by(four, "split")["full"].weights == get_model_config("llama-3.1-70b").params * 2
     assert kv_heads_per_gpu(8, 8) == 1 and kv_heads_per_gpu(8, 16) == 1 and kv_heads_per_gpu(8, 3) == 3
     sixteen = _hr(specs=["full"], gpus=16, context=32_768)
-    assert sixteen["kv_heads_per_gpu"] == 1 and any("replicated" in w for w in sixteen["warnings"])
-    assert any("evenly" in w for w in _hr(specs=["full"], gpus=3)["warnings"])
+    assert sixteen.kv_heads_per_gpu == 1 and any("replicated" in w for w in sixteen.warnings)
+    assert any("evenly" in w for w in _hr(specs=["full"], gpus=3).warnings)
 
 
 def test_max_context_for_n_users_fits_n_sequences():
     out = _hr("llama-3.1-8b", "h100", ["full", "int8", "int4"], 8192, users=16, memory_gb=40)
     cfg = get_model_config("llama-3.1-8b")
-    free = out["free_kv_bytes"]
-    for label, ctx in out["max_context_memory"].items():
+    free = out.free_kv_bytes
+    for label, ctx in _by(out, "max_context_memory").items():
         assert 16 * sequence_bytes(cfg, label, ctx) <= free < 16 * sequence_bytes(cfg, label, ctx + 1)
-        assert out["max_context_limited_by"][label] == "memory"
-    assert out["max_context_for_users"]["int4"] > 3 * out["max_context_for_users"]["full"]
+        assert _by(out, "max_context_limited_by")[label] == "memory"
+    assert _by(out, "max_context_for_users")["int4"] > 3 * _by(out, "max_context_for_users")["full"]
 
 
 def test_split_adds_up_and_stacking_orders_weight_bits():
     out = _hr("llama-3.1-70b", "h100", ALL, 32_768, gpus=2)
     for label in ALL:
-        s = out["split"][label]
-        assert s["weights"] + s["kv"] + s["reserve"] + s["free"] - s["over"] == s["total"] == out["budget_bytes"]
-        st_ = out["stacking"][label]
-        assert st_["16"] == out["max_sequences"][label]
+        s = _by(out, "split")[label]
+        assert s.weights + s.kv + s.reserve + s.free - s.over == s.total == out.budget_bytes
+        st_ = _by(out, "stacking")[label]
+        assert st_["16"] == _by(out, "max_sequences")[label]
         assert st_["4"] >= st_["8"] >= st_["16"]
     eight = _hr("llama-3.1-70b", "h100", ALL, 32_768, gpus=2, weight_bits=8)
-    assert eight["max_sequences"] == {k: v["8"] for k, v in out["stacking"].items()}
-    assert eight["weights_bytes"] == out["weights_bytes"] // 2
+    assert _by(eight, "max_sequences") == {k: v["8"] for k, v in _by(out, "stacking").items()}
+    assert eight.weights_bytes == out.weights_bytes // 2
 
 
 @pytest.mark.parametrize(
@@ -292,10 +305,10 @@ def test_loaded_model_headroom_measures_the_live_cache(lm, monkeypatch):
         json=True,
     )
     out = memory_cli.run_headroom_cli(args)
-    assert out["model_config"] == "loaded" and out["model"]["layers"] == 30 and out["model"]["kv_heads"] == 3
-    assert out["bytes_per_token"]["full"] == 23_040  # planning: 16-bit
-    rows = {r["precision"]: r for r in out["measured"]["results"]}
-    assert out["measured"]["tokens"] == 128 and out["measured"]["dtype"] == "float32"
+    assert out.model_config == "loaded" and out.model["layers"] == 30 and out.model["kv_heads"] == 3
+    assert _by(out, "bytes_per_token")["full"] == 23_040  # planning: 16-bit
+    rows = {r.precision: r.to_json() for r in out.measured.results}
+    assert out.measured.tokens == 128 and out.measured.dtype == "float32"
     for label, r in rows.items():
         assert r["bytes"] == r["formula_bytes"], label  # regions replayed exactly
     # residual empty and no sinks: bytes/token x tokens is the live cache, within 1% (exactly, here)
@@ -483,18 +496,18 @@ def test_figures_build_with_the_expected_traces():
     names = [t.name for t in mem.data]
     assert names[:4] == ["full", "int8", "int4", "int2"] and "GPU budget" in names
     budget = next(t for t in mem.data if t.name == "GPU budget")
-    assert set(budget.y) == {out["curve"]["budget_gb"]}
+    assert set(budget.y) == {out.curve.budget_gb}
     full = mem.data[0]
-    assert list(full.y) == sorted(full.y) and out["context"] in full.x
+    assert list(full.y) == sorted(full.y) and out.context in full.x
     conc = headroom_concurrency_figure(out)
-    assert list(conc.data[0].y) == list(out["max_sequences"].values())
+    assert list(conc.data[0].y) == list(_by(out, "max_sequences").values())
     split = headroom_split_figure(out)
     assert [t.name for t in split.data] == ["weights", "KV cache", "reserve", "unused"]
     for i in range(4):
-        assert sum(t.x[i] for t in split.data) == pytest.approx(out["budget_bytes"] / GB)
+        assert sum(t.x[i] for t in split.data) == pytest.approx(out.budget_bytes / GB)
     heat = headroom_stacking_figure(out)
     assert [list(r) for r in heat.data[0].z] == [
-        [out["stacking"][k][b] for b in ("16", "8", "4")] for k in out["stacking"]
+        [_by(out, "stacking")[k][b] for b in ("16", "8", "4")] for k in _by(out, "stacking")
     ]
     over = headroom_split_figure(_hr(specs=["int4"], gpus=1))
     assert "over budget" in [t.name for t in over.data]

@@ -5,20 +5,20 @@ import pytest
 import torch
 
 from kvdemo import ppl
-from kvdemo.cli.ppl import check_line
+from kvdemo.results.ppl import Blocks, PplRow
 
 
-def _blocks(nll: dict, kl: dict, nll_count: int = 64, kl_count: int = 16, resamples: int = 2000) -> dict:
+def _blocks(nll: dict, kl: dict, nll_count: int = 64, kl_count: int = 16, resamples: int = 2000) -> Blocks:
     n = len(next(iter(nll.values())))
-    return {
-        "size": 64,
-        "resamples": resamples,
-        "seed": 0,
-        "nll": {k: [float(x) for x in v] for k, v in nll.items()},
-        "logit_kl": {k: [float(x) for x in v] for k, v in kl.items()},
-        "nll_counts": [nll_count] * n,
-        "kl_counts": [kl_count] * n,
-    }
+    return Blocks(
+        size=64,
+        resamples=resamples,
+        seed=0,
+        nll={k: [float(x) for x in v] for k, v in nll.items()},
+        logit_kl={k: [float(x) for x in v] for k, v in kl.items()},
+        nll_counts=[nll_count] * n,
+        kl_counts=[kl_count] * n,
+    )
 
 
 def test_block_means_average_each_block_of_the_scored_range():
@@ -78,14 +78,16 @@ def test_checks_say_whether_the_text_settles_them():
     kl = {k: [0.0] * n for k in nll}
     blocks = _blocks(nll, kl)
     drawn = ppl.resampled_figures(blocks)
-    rows = {k: {"delta_vs_full": float(drawn["delta_vs_full"][k].median())} for k in nll if k != "full"}
-    checks = {c["claim"]: c for c in ppl.ablation_checks(rows, blocks)}
-    assert checks["nuq2:o1 delta <= 20% of int2 delta"]["verdict"] == "does not hold"
-    assert checks["nuq2:o1:s1 delta <= 20% of int2 delta"]["verdict"] == "holds"
-    assert checks["nuq3:o1 delta <= int4 delta"]["verdict"] == "not settled by this text"
-    low, high = checks["nuq3:o1 delta <= int4 delta"]["difference_ci95"]
+    rows = [
+        PplRow(k, 20.0, float(drawn["delta_vs_full"][k].median()), 0.0, 4.0, 4.0, 1000, 100) for k in nll if k != "full"
+    ]
+    checks = {c.claim: c for c in ppl.ablation_checks(rows, blocks)}
+    assert checks["nuq2:o1 delta <= 20% of int2 delta"].verdict == "does not hold"
+    assert checks["nuq2:o1:s1 delta <= 20% of int2 delta"].verdict == "holds"
+    assert checks["nuq3:o1 delta <= int4 delta"].verdict == "not settled by this text"
+    low, high = checks["nuq3:o1 delta <= int4 delta"].difference_ci95
     assert low < 0 < high
-    line = check_line(checks["nuq2:o1 delta <= 20% of int2 delta"])
+    line = checks["nuq2:o1 delta <= 20% of int2 delta"].line()
     assert line.startswith("nuq2:o1 delta <= 20% of int2 delta: does not hold (+")
     assert line.endswith(", 95%)") and "; over resampled text: does not hold (difference in [+" in line
-    assert "verdict" not in ppl.ablation_checks(rows)[0]  # no blocks (an older report): point verdicts only
+    assert "verdict" not in ppl.ablation_checks(rows)[0].to_json()  # no blocks (an older report): point verdicts

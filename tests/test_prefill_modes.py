@@ -16,7 +16,6 @@ from kvdemo import needle, prefill_modes, runner
 from kvdemo.chat.session import ChatSession
 from kvdemo.cli import build_parser, main
 from kvdemo.drift import document_prompt, run_drift
-from kvdemo.figures.memory import headroom_batch_speed_figure, headroom_measured_figure
 from kvdemo.needle.run import _AnswerStop
 from kvdemo.results.prefill_modes import PrefillModesReport, headlines, load_report, summary_rows
 from kvdemo.texts import prose
@@ -173,28 +172,6 @@ def test_cli_prefill_modes_json_and_errors(small_chunk, capsys, tmp_path):
     assert "quantized precision" in capsys.readouterr().err
 
 
-# --- figures ------------------------------------------------------------------------------------------
-
-
-def test_measured_headroom_figures():
-    rows = [
-        {
-            "precision": p,
-            "context": 512,
-            "budget_bytes": 20_000_000,
-            "measured_max_sequences": m,
-            "max_sequences": f,
-            "tokens_per_s": [{"batch": 1, "tokens_per_s": 100.0}, {"batch": 2, "tokens_per_s": 180.0}],
-        }
-        for p, m, f in (("full", 10, 11), ("int4", 30, 33))
-    ]
-    bars = headroom_measured_figure(rows)
-    assert [t.name for t in bars.data] == ["measured (real caches)", "formula"]
-    assert list(bars.data[0].y) == [10, 30] and list(bars.data[1].y) == [11, 33]
-    speed = headroom_batch_speed_figure(rows)
-    assert [t.name for t in speed.data] == ["full", "int4"] and list(speed.data[1].x) == [1, 2]
-
-
 # --- pages --------------------------------------------------------------------------------------------
 
 
@@ -217,9 +194,9 @@ def test_memory_page_measures_headroom_with_real_caches():
     at.multiselect(key="hm_precisions").set_value(["full", "int4"])
     at.button(key="hm_run").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
-    rows = at.session_state["hm_result"]["results"]
-    assert [r["precision"] for r in rows] == ["full", "int4"]
-    assert 0 < rows[0]["measured_max_sequences"] < rows[1]["measured_max_sequences"]
+    rows = at.session_state["hm_result"].results
+    assert [r.precision for r in rows] == ["full", "int4"]
+    assert 0 < rows[0].measured_max_sequences < rows[1].measured_max_sequences
     charts = {c.proto.spec: c for c in at.get("plotly_chart")}
     titles = [json.loads(s)["layout"]["title"]["text"].replace("<br>", " ") for s in charts]
     assert any("measured vs formula" in t for t in titles) and any("tokens/s vs batch size" in t for t in titles)

@@ -53,7 +53,7 @@ def cmd_info(args) -> dict:
     return _load(args).info()
 
 
-def cmd_memory(args) -> dict:
+def cmd_memory(args):
     from ..measured import measure_memory
     from ..texts import prose_ids
 
@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--out", default="reports")
     p.add_argument("--quick", action="store_true", help="tiny sizes (tests); the same as --sizes quick")
-    p.add_argument("--sizes", default="full", choices=["full", "1k", "quick"], help="kvdemo.bench.SIZES")
+    p.add_argument("--sizes", default="full", choices=["full", "1k", "quick"], help="kvdemo.results.bench.SIZES")
     p.add_argument("--only", default="", help="comma-separated contenders (default: every one available)")
     p.set_defaults(func=_lazy("bench", "run_cli"), text=_lazy("bench", "format_text"))
 
@@ -323,9 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if isinstance(out, str):
         print(out)
-    elif getattr(args, "json", False) or getattr(args, "text", None) is None:
-        out = out.to_json() if hasattr(out, "to_json") else out  # a typed result (kvdemo/results/) prints as its JSON
-        print(json.dumps(out, indent=2, default=str))
+    elif getattr(args, "json", False) or getattr(args, "text", None) is None:  # a typed result prints its JSON
+        print(json.dumps(out.to_json() if hasattr(out, "to_json") else out, indent=2, default=str))
     else:
         print(args.text(out))
     return 0

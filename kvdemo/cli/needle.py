@@ -6,8 +6,8 @@ import datetime
 from pathlib import Path
 
 from ..needle import MAX_REPEATS, NeedleError, cell_rng, make_task, parse_numbers, run_grid, specs_with_full
+from ..results.markdown import paired_markdown
 from ..results.needle import NeedleGrid, NeedleRow, difference_line, differences_from_full, full_missed, save_grid
-from .markdown import paired_markdown
 
 
 def read_document(path: str) -> tuple[str, str]:
@@ -24,7 +24,7 @@ def read_document(path: str) -> tuple[str, str]:
 def run_cli(args) -> NeedleGrid:
     """`python -m kvdemo needle --precision ... --lengths ... --depths ... --kind ... [--haystack-file F]
     [--needle T --question T --answer T] [--seed N] [--repeats R] [--out DIR] [--prefill-mode exact|chunked]`."""
-    from ..bench import machine_info
+    from ..machine import machine_info
     from ..models import load_model
 
     specs = specs_with_full(args.precision)

@@ -19,7 +19,7 @@ def _say(p: Progress) -> None:
 
 def run_cli(args) -> PrefillModesReport:
     """`python -m kvdemo prefill-modes --tokens N --precision int4,int2 [--kind K] [--depth D] [--out F]`."""
-    from ..bench import machine_info
+    from ..machine import machine_info
     from ..models import load_model
 
     specs = parse_precision_list(args.precision)

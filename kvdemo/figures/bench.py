@@ -1,16 +1,17 @@
-"""The benchmark against transformers' QuantizedCache: figures of its report."""
+"""The benchmark against transformers' QuantizedCache: figures of its report (`kvdemo.results.bench.BenchReport`)."""
 
 import plotly.graph_objects as go
 
+from ..results.bench import BenchReport
 from . import set_title
 
 
-def _bench_bars(report: dict, metric: str, keys: list, key_label: str, title: str, yaxis: str) -> go.Figure:
-    """Grouped bars: one group per contender, one bar per size (`keys`) of `row[metric]`."""
-    names = [r["contender"] for r in report["results"]]
+def _bench_bars(report: BenchReport, metric: str, keys: list, key_label: str, title: str, yaxis: str) -> go.Figure:
+    """Grouped bars: one group per contender, one bar per size (`keys`) of the contender's `metric` map."""
+    names = [r.contender for r in report.results]
     fig = go.Figure()
     for key in keys:
-        ys = [r[metric].get(str(key)) for r in report["results"]]
+        ys = [getattr(r, metric).get(str(key)) for r in report.results]
         fig.add_trace(
             go.Bar(
                 x=names,
@@ -23,46 +24,46 @@ def _bench_bars(report: dict, metric: str, keys: list, key_label: str, title: st
     return fig
 
 
-def bench_memory_figure(report: dict) -> go.Figure:
+def bench_memory_figure(report: BenchReport) -> go.Figure:
     """Cache memory ratio vs a 16-bit cache, per contender and context length."""
     fig = _bench_bars(
-        report, "ratio_vs_fp16", report["sizes"]["contexts"], "tokens", "KV cache: x smaller than fp16", "ratio"
+        report, "ratio_vs_fp16", list(report.sizes.contexts), "tokens", "KV cache: x smaller than fp16", "ratio"
     )
     fig.add_hline(y=1.0, line_dash="dash", line_color="gray")
     return fig
 
 
-def bench_ppl_figure(report: dict) -> go.Figure:
+def bench_ppl_figure(report: BenchReport) -> go.Figure:
     """Perplexity change vs full precision (%), per contender and text length."""
     return _bench_bars(
         report,
         "ppl_delta_pct",
-        report["sizes"]["ppl_lengths"],
+        list(report.sizes.ppl_lengths),
         "tokens",
         "Held-out perplexity vs full precision",
         "perplexity change (%)",
     )
 
 
-def bench_speed_figure(report: dict) -> go.Figure:
+def bench_speed_figure(report: BenchReport) -> go.Figure:
     """Warm decode tokens/s, per contender and context length."""
     return _bench_bars(
-        report, "decode_tok_s", report["sizes"]["contexts"], "context", "Decode speed (warm, median round)", "tokens/s"
+        report, "decode_tok_s", list(report.sizes.contexts), "context", "Decode speed (warm, median round)", "tokens/s"
     )
 
 
-def bench_needle_figure(report: dict) -> go.Figure:
+def bench_needle_figure(report: BenchReport) -> go.Figure:
     """Teacher-forced log-prob of the pass key: one bar group per contender, one bar per grid cell."""
     fig = go.Figure()
-    rows = report["results"]
-    names = [r["contender"] for r in rows]
-    cells = rows[0]["needle"]["cells"] if rows else []
+    rows = report.results
+    names = [r.contender for r in rows]
+    cells = rows[0].needle.cells if rows else []
     for i, cell in enumerate(cells):
-        label = f"{cell['length']} tokens, depth {cell['depth']}%"
+        label = f"{cell.length} tokens, depth {cell.depth}%"
         fig.add_trace(
             go.Bar(
                 x=names,
-                y=[r["needle"]["cells"][i]["logprob"] for r in rows],
+                y=[r.needle.cells[i].logprob for r in rows],
                 name=label,
                 hovertemplate="%{x}: %{y:.3f} nats<extra>" + label + "</extra>",
             )
@@ -77,7 +78,7 @@ def bench_needle_figure(report: dict) -> go.Figure:
     return fig
 
 
-def bench_figures(report: dict) -> list[go.Figure]:
+def bench_figures(report: BenchReport) -> list[go.Figure]:
     """Every bench figure, in page order."""
     return [
         bench_memory_figure(report),

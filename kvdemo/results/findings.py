@@ -431,6 +431,7 @@ def capacity(found: Findings, config: dict | None = None) -> dict:
     out = headroom(
         get_model_config(cfg["model_config"]), get_gpu(cfg["gpu"]), labels, int(cfg["context"]), gpus=int(cfg["gpus"])
     )
+    plan = out.by_label()
     info = found.model_info
     full_bits = 32 if info.get("dtype") == "float32" else 16
     live = []
@@ -451,14 +452,14 @@ def capacity(found: Findings, config: dict | None = None) -> dict:
         )
     return {
         "config": cfg,
-        "multiplier": {lbl: out["sequences_vs_16bit"][lbl] for lbl in labels},
-        "sequences": {lbl: out["max_sequences"][lbl] for lbl in labels},
-        "sequences_16bit": out["max_sequences_16bit"],
-        "stacking": out["stacking"],
-        "production": out["production"],
-        "bits": out["bits_per_element"],
+        "multiplier": {lbl: plan[lbl].sequences_vs_16bit for lbl in labels},
+        "sequences": {lbl: plan[lbl].max_sequences for lbl in labels},
+        "sequences_16bit": out.max_sequences_16bit,
+        "stacking": {p.label: p.stacking for p in out.precisions},
+        "production": {p.label: p.production for p in out.precisions},
+        "bits": {p.label: p.bits_per_element for p in out.precisions},
         "live": live,
-        "warnings": out["warnings"],
+        "warnings": out.warnings,
     }
 
 
