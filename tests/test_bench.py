@@ -342,10 +342,9 @@ def test_quick_bench_values_are_sane(quick_report, lm):
         for n in lengths:
             assert math.isfinite(r["ppl"][n]) and 1 < r["ppl"][n] < 1000
             assert r["ppl_delta"][n] == pytest.approx(r["ppl"][n] - full["ppl"][n], abs=2e-4)
-            assert r["logit_kl"][n] >= 0 if name != "full" else r["logit_kl"][n] == 0
+            assert r["logit_kl"][n] > 0 if name != "full" else r["logit_kl"][n] == 0  # every quantized cache is lossy
         assert r["needle"]["total"] == len(sizes["needle_lengths"]) * len(sizes["needle_depths"])
         assert all(cell["logprob"] <= 0 for cell in r["needle"]["cells"])
-        assert r["setup_s"] >= 0
     assert full["ppl_delta"][lengths[0]] == 0
     # int4 is lossy: not bit-identical to full precision on real text
     assert rows["kvdemo-int4"]["ppl"][lengths[-1]] != full["ppl"][lengths[-1]]

@@ -106,7 +106,7 @@ def test_cli_generate_side_by_side(tmp_path):
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert [r["precision"] for r in out["results"]] == ["full", "int4"]
-    assert all(len(r["tokens"]) >= 1 and r["decode_tok_s"] >= 0 for r in out["results"])
+    assert all(len(r["tokens"]) >= 1 and (r["decode_tok_s"] > 0 or len(r["tokens"]) == 1) for r in out["results"])
 
 
 def test_hub_id_without_network_is_one_line_and_a_cached_hub_model_loads_offline(tmp_path):
