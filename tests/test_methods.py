@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_families import FAMILIES, INT8_LOGIT_ERROR, PROMPT_SEED, VOCAB, _lm, _model, _prompt
 
-from kvdemo import calibration, codebooks, layout, runner
+from kvdemo import calibration, codebooks, formats, layout, runner
 from kvdemo.cache import QuantizedKVCache
 from kvdemo.calibration import weighted_kmeans
 from kvdemo.codebooks import Codebooks, normal_float
@@ -95,9 +95,9 @@ def test_3bit_pack_unpack_is_exact_and_wastes_no_bit():
     packed = reference.pack(codes, 3)
     assert packed.shape == (2, 3, 17, 3 * 64 // 8) and packed.dtype == torch.uint8
     assert torch.equal(reference.unpack(packed, 3), codes)
-    assert reference.packed_width("int3", 64) == reference.packed_width("nuq3", 64) == 24
+    assert formats.get("int3").packed_width(64) == formats.get("nuq3").packed_width(64) == 24
     with pytest.raises(ValueError, match="multiple of 8"):
-        reference.packed_width("int3", 60)
+        formats.get("int3").packed_width(60)
 
 
 def test_3bit_packing_is_bit_sliced():
