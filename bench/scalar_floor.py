@@ -1,6 +1,6 @@
 """How close can 3-bit scalar key codes come to int4 on this model? An oracle floor for nuq3.
 
-nuq3:o1 misses int4's perplexity in its keys (README, "Keys or values"). Its keys are one fitted codebook of 8
+nuq3:o1 misses int4's perplexity in its keys (docs/methods.md, "Keys or values: where the loss sits"). Its keys are one fitted codebook of 8
 levels per layer, stretched over each channel's range in each 128-token block, with 1% of the elements kept
 exact. The oracle here gives every 128-token channel block its own 8 levels instead: the two ends pinned at
 the block's min and max (as nuq pins its codebook's ends at -1 and 1 and int codes keep the range's ends) and
@@ -212,11 +212,11 @@ def passkey_rows(lm, repeats: int) -> dict:
     }
 
 
-ORACLE_NAME = "oracle, own levels per block"  # the carrier's name in README's tables
+ORACLE_NAME = "oracle, own levels per block"  # the carrier's name in docs/methods-passkey.md's tables
 
 
 def markdown(report: dict) -> str:
-    """README's tables: each key code's error beside its keys-alone perplexity delta and logit KL; then, when the
+    """docs/methods-passkey.md's tables: each key code's error beside its keys-alone perplexity delta and logit KL; then, when the
     report has it, the passkey grid with 2-bit keys alone (`kvdemo.results.needle.repeats_markdown`'s table)."""
     from kvdemo.results.needle import NeedleRow, repeats_markdown
 

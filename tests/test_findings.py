@@ -16,12 +16,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvdemo import layout, needle, ppl
+from kvdemo import layout, needle
 from kvdemo.findings import render, run, verdicts
 from kvdemo.precision import parse_precision
 from kvdemo.progress import Cancelled
 from kvdemo.results import findings as results
+from kvdemo.results.ablation import load_ablation
 from kvdemo.results.findings import Findings, Measurement, NeedleAnswer, Window
+from kvdemo.results.kv_split import load_kv_split
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -372,29 +374,29 @@ def test_findings_page_renders_the_shipped_report():
     assert not at.exception, at.exception
     assert "Findings" in at.title[0].value
     headers = [h.value for h in at.header]
-    split = ppl.load_kv_split()
+    split = load_kv_split()
     methods = ["KVQuant's methods at 4, 3 and 2 bits"] + (["Keys or values: where the loss sits"] if split else [])
     assert headers == [c.title for c in verdicts.CLAIMS] + methods
     table = _verdict_table(at)  # AppTest finds no dataframe by key: by its columns
     assert list(table["verdict"]) == [c.verdict.word for c in verdicts.evaluate(results.load())]
-    ablation = ppl.load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
+    ablation = load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
     (claims,) = [d.value for d in at.dataframe if "over resampled text" in d.value.columns]
-    assert list(claims["over resampled text"]) == [c["verdict"] for c in ablation["checks"]]
+    assert list(claims["over resampled text"]) == [c.verdict for c in ablation.checks]
     (costs,) = [d.value for d in at.dataframe if "decode vs int4" in d.value.columns]
-    speed = {r["precision"]: r["vs_first"] for r in ablation["decode"]["results"]}
-    ratio = {r["precision"]: round(r["ratio_vs_fp16"], 2) for r in ablation["memory"]["results"]}
+    speed = {r.precision: r.vs_first for r in ablation.decode.results}
+    ratio = {r.precision: round(r.ratio_vs_fp16, 2) for r in ablation.memory.results}
     assert list(costs["precision"]) == list(dict.fromkeys([*ratio, *speed]))
     for _, row in costs.iterrows():  # each figure from its part of the report, blank where it measured none
         name, vs, smaller = row["precision"], row["decode vs int4"], row["x smaller than fp16 @4096"]
         assert vs == speed[name] if name in speed else pd.isna(vs)
         assert smaller == ratio[name] if name in ratio else pd.isna(smaller)
-    assert any(ablation["command"] in c.value for c in at.caption)
+    assert any(ablation.ppl.command in c.value for c in at.caption)
     if split is not None:  # the keys-or-values section: the shipped split's rows and sentences
         (rows,) = [d.value for d in at.dataframe if "stored as" in d.value.columns]
-        assert rows.to_dict("records") == ppl.split_rows(split)
+        assert rows.to_dict("records") == split.rows()
         said = [m.value for m in at.markdown]
-        assert all(f"- {ppl.split_sentence(one)}" in said for one in split["splits"])
-        assert any(split["command"] in c.value for c in at.caption)
+        assert all(line in said for line in split.lines())
+        assert any(split.ppl.command in c.value for c in at.caption)
     at.select_slider(key="findings_context").set_value(131072).run()
     assert not at.exception, at.exception
     assert "131,072" in _verdict_table(at)["numbers"].iloc[0]
