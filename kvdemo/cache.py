@@ -14,6 +14,7 @@ counts the bytes of the live data, tensor by tensor, and the bytes allocated.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,12 @@ class _Growable:
     """A tensor with spare capacity along one dim: appends write in place until it is full.
 
     Capacity grows to what is needed plus 1/32 (at least 4 rows), so the memory a cache holds stays
-    within ~3% of its live bytes (doubling would hold up to 2x and halve the saving quantization buys).
+    within ~3% of its live bytes (doubling would hold up to 2x and halve the saving quantization buys),
+    rounded up so that capacity x row width is a multiple of 16 elements: the buffer's batch and head
+    strides are then divisible by 16 whatever its length, so a kernel specialized on them (Triton
+    specializes integers divisible by 16) stays the same variant after every growth. Rows as wide as a
+    head (residual, per-channel scales) need no rounding; narrow rows (per-token scales, 3-bit codes) take a
+    few spare rows of a few bytes each.
     A growth copies the buffer once; a quantized buffer grows at most once per flushed block, while
     decoding reads the whole cache every token, so the copies are a small fraction of the work.
     `reserve(rows)` sizes the buffer for a known length up front (a prompt being prefilled): appends up
@@ -121,26 +127,33 @@ class _Growable:
 
     SPARE = 32  # spare capacity = needed // SPARE rows, at least MIN_ROWS
     MIN_ROWS = 4
+    STRIDE_MULTIPLE = 16  # capacity x row width is a multiple of this
 
     def __init__(self, dim: int = -2):
         self.dim, self.data, self.length, self.reserved = dim, None, 0, 0
+        self.unit = 1  # capacity is a multiple of this many rows (set from the row width at the first append)
 
     def reserve(self, rows: int) -> None:
         self.reserved = max(self.reserved, int(rows))
 
-    @classmethod
-    def capacity(cls, needed: int) -> int:
-        return needed + max(cls.MIN_ROWS, needed // cls.SPARE)
+    def capacity(self, needed: int, reserved: bool = True) -> int:
+        """Rows to allocate for `needed` rows: 1/32 spare (at least MIN_ROWS), at least what `reserve` asked
+        (unless `reserved` is False), rounded up to whole units."""
+        rows = needed + max(self.MIN_ROWS, needed // self.SPARE)
+        rows = max(rows, self.reserved) if reserved else rows
+        return -(-rows // self.unit) * self.unit
 
     def append(self, x: torch.Tensor) -> None:
         n = x.shape[self.dim]
         if self.data is None:
+            width = math.prod(x.shape[self.dim :][1:])  # elements from one row to the next
+            self.unit = self.STRIDE_MULTIPLE // math.gcd(width, self.STRIDE_MULTIPLE)
             shape = list(x.shape)
-            shape[self.dim] = max(self.capacity(n), self.reserved)
+            shape[self.dim] = self.capacity(n)
             self.data = torch.empty(shape, dtype=x.dtype, device=x.device)
         elif self.length + n > self.data.shape[self.dim]:
             shape = list(self.data.shape)
-            shape[self.dim] = max(self.capacity(self.length + n), self.reserved)
+            shape[self.dim] = self.capacity(self.length + n)
             bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
             bigger.narrow(self.dim, 0, self.length).copy_(self.view())
             self.data = bigger
@@ -156,9 +169,9 @@ class _Growable:
         """Remove the first n entries (the remainder moves to the front)."""
         keep = self.length - n
         rest = self.data.narrow(self.dim, n, keep).clone()
-        if self.data.shape[self.dim] > 2 * self.capacity(keep):  # e.g. a long prefill passed through: give it back
+        if self.data.shape[self.dim] > 2 * self.capacity(keep, reserved=False):  # a long prefill passed: give it back
             shape = list(self.data.shape)
-            shape[self.dim] = self.capacity(keep)
+            shape[self.dim] = self.capacity(keep, reserved=False)
             self.data = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
         self.data.narrow(self.dim, 0, keep).copy_(rest)
         self.length = keep
@@ -218,6 +231,18 @@ class _PartBuffers:
             self.sinks = torch.cat([self.sinks, x[:, :, :to_sinks]], dim=-2)
         if x.shape[-2] > to_sinks:
             self.residual.append(x[:, :, to_sinks:])
+
+    def warm_up(self, rows: int) -> None:
+        """Quantize `rows` rows of zeros as a flush of that many rows would, and drop the result: on a GPU this
+        compiles the kernel variant a flush launches (the same arguments' classes: contiguous inputs and
+        outputs whose strides are multiples of 16), so the first flush inside a timed decode compiles nothing."""
+        b, h, _, d = self.sinks.shape
+        x = torch.zeros(b, h, rows, d, dtype=self.sinks.dtype, device=self.sinks.device)
+        m = self.method
+        quantize(
+            x, self.fmt, self.axis, self.group, levels=m.levels, outliers=m.outliers, rotation=m.rotation,
+            rope=m.rope, start=0, block=m.block,
+        )  # fmt: skip
 
     def flush(self, take: int, pad_front: int) -> None:
         """Quantize the residual's first `take` rows into codes; `pad_front` dummy rows (copies of the first
@@ -305,6 +330,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.layout = Layout(spec)
         self.regions = Regions(0, 0, 0)
         self._methods = (key_method, value_method)
+        self._warm = False  # `warm_up` ran
         self.keys = _PartBuffers(spec.key_format, spec.key_axis, copy.copy(key_method))
         self.values = _PartBuffers(spec.value_format, "token", copy.copy(value_method))
 
@@ -372,6 +398,14 @@ class QuantizedLayer(CacheLayerMixin):
                 part.tensor_scale.reserve(coded // part.method.block)
         self.keys.reserve(coded, key_meta, 0)
         self.values.reserve(coded, coded, 0)
+
+    def warm_up(self) -> None:
+        """Compile, where kernels compile (CUDA), what this layer's flushes will launch: once, after the first
+        append, so that the first flush of a decode compiles nothing (`_PartBuffers.warm_up`)."""
+        if self.is_initialized and self.spec.is_quantized and not self._warm:
+            self.keys.warm_up(self.spec.group_size)
+            self.values.warm_up(self.spec.group_size)
+            self._warm = True
 
     def get_seq_length(self) -> int:
         return self.length
@@ -448,6 +482,11 @@ class QuantizedKVCache(Cache):
             block = spec.group_size if fmt.block_scale_bits else 0  # tokens per second-level scale
             methods.append(Method(levels, spec.outliers, None, rope, block))
         return QuantizedLayer(spec, *methods)
+
+    def warm_up(self) -> None:
+        """`QuantizedLayer.warm_up` on every layer that holds tokens (a no-op once done)."""
+        for layer in self.layers:
+            layer.warm_up()
 
     def reserve(self, tokens: int) -> None:
         """`QuantizedLayer.reserve` on every layer (layers not created yet are not reserved)."""

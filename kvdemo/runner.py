@@ -141,8 +141,11 @@ def prefill(
         full.reserve(len(ids))
         logits = forward(lm, ids, full, chunk, last_only=True)[-1]
         transplant(full, cache)
-        return logits
-    return forward(lm, ids, cache, chunk, last_only=True)[-1]
+    else:
+        logits = forward(lm, ids, cache, chunk, last_only=True)[-1]
+    if ours and lm.device.type == "cuda":  # compile the flushes' kernels now, not inside the timed decode
+        cache.warm_up()
+    return logits
 
 
 def transplant(source: QuantizedKVCache, target: QuantizedKVCache) -> QuantizedKVCache:

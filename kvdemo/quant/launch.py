@@ -15,10 +15,10 @@ a CPU and shows them.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+import threading
 
 import torch
-import triton
 
 from .. import formats
 from .backend import interpreting
@@ -72,7 +72,7 @@ def _decodes(q: QuantizedTensor, d: int, keys: bool) -> bool:
 
 
 def _block_m(rows: int) -> int:
-    return max(16, triton.next_power_of_2(rows))
+    return max(16, 1 << (rows - 1).bit_length())
 
 
 def max_block_m(head_dim: int, kv) -> int:
@@ -82,16 +82,65 @@ def max_block_m(head_dim: int, kv) -> int:
 
 
 def method_kind(kv) -> str:
-    """What the stored codes ask of the decode loop beyond uniform codes: "" (none; a Hadamard rotation turns
+    """What the spec's codes ask of the decode loop beyond uniform codes: "" (none; a Hadamard rotation turns
     only the query and the partial outputs), "codes" (looked-up, bit-sliced or nvfp4 codes, pre-RoPE keys),
-    "outliers" (sparse corrections), "outliers+rope" (both with pre-RoPE keys)."""
-    if not kv.regions.has_codes:
+    "outliers" (sparse corrections), "outliers+rope" (both with pre-RoPE keys). Read from the spec, not from
+    the codes stored so far, so a cache gets the same kernel variant before its first block is coded and after."""
+    spec = kv.spec
+    if not spec.is_quantized:
         return ""
-    keys, values = kv.keys.quantized, kv.values.quantized
-    if keys.outlier_index is not None or values.outlier_index is not None:
-        return "outliers+rope" if keys.rope is not None else "outliers"
-    plain = all(replace(q, rotation=None).plain for q in (keys, values))
+    if spec.outliers:
+        return "outliers+rope" if spec.pre_rope else "outliers"
+    plain = spec.key.planar and spec.value.planar and not spec.pre_rope
     return "" if plain else "codes"
+
+
+# Integer arguments of the decode kernels that change from one decode step to the next (lengths of the
+# regions, the tiles of a split, the parts to merge): Triton would otherwise compile a variant per value
+# class (== 1, divisible by 16), inside the timed decode.
+DECODE_STEP_INTS = ("row0", "S", "Q", "R", "tiles_per_split", "num_splits", "parts")
+MERGE_STEP_INTS = ("n_parts",)
+
+
+@functools.lru_cache(maxsize=256)
+def row_widths(spec, head_dim: int) -> dict[str, int]:
+    """Elements per token row of each coded tensor the decode kernel reads, as a cache at `spec` stores them
+    (codes, scale, zero of keys and values; sparse corrections): the row stride a stand-in passes before the
+    first block is coded, so the kernel sees the same stride classes (Triton specializes a stride of 1, or
+    divisible by 16) before and after."""
+    if not spec.is_quantized:
+        return dict.fromkeys(("kc", "ks", "kz", "vc", "vs", "vz", "ko", "vo"), head_dim)
+    k_meta = head_dim if spec.key_axis == "channel" else head_dim // spec.key_group(head_dim)
+    v_meta = head_dim // spec.value_group(head_dim)
+    cap = max(spec.outlier_cap(head_dim), 1)
+    k_codes, v_codes = spec.key.packed_width(head_dim), spec.value.packed_width(head_dim)
+    return {"kc": k_codes, "ks": k_meta, "kz": k_meta, "vc": v_codes, "vs": v_meta, "vz": v_meta, "ko": cap, "vo": cap}
+
+
+@functools.lru_cache(maxsize=256)
+def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:
+    """The decode kernel's format constexprs for a cache at `spec`, from the spec alone (full precision: the
+    int8 defaults, never read), so every step of a cache launches the same variant, codes stored yet or not.
+    Cached: the launcher reads them on every call (callers do not change the dict)."""
+    if not spec.is_quantized:
+        return dict(K_BITS=8, K_FP8=0, K_CHANNEL=spec.key_axis == "channel", K_GROUP=block_n, V_BITS=8, V_FP8=0,
+                    V_GROUP=head_dim, K_CODE=0, V_CODE=0, K_OUTLIERS=0, V_OUTLIERS=0, K_ROTATED=False, K_ROPE=0)  # fmt: skip
+    cap = spec.outlier_cap(head_dim)
+    return dict(
+        K_BITS=spec.key.bits,
+        K_FP8=spec.key.fp8_code,
+        K_CHANNEL=spec.key_axis == "channel",
+        K_GROUP=spec.key_group(head_dim),
+        V_BITS=spec.value.bits,
+        V_FP8=spec.value.fp8_code,
+        V_GROUP=spec.value_group(head_dim),
+        K_CODE=spec.key.code_kind,
+        V_CODE=spec.value.code_kind,
+        K_OUTLIERS=cap,
+        V_OUTLIERS=cap,
+        K_ROTATED=spec.hadamard,
+        K_ROPE=rope_dim if spec.pre_rope else 0,
+    )
 
 
 def launch_config(head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0), method: str = "") -> tuple[int, int]:
@@ -120,10 +169,15 @@ def fold_once(head_dim: int, cc: tuple[int, int] = (9, 0)) -> bool:
     return head_dim <= 128 and cc >= (8, 0)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (2 stand in on the CPU), read once per device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def splits_for(heads: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Splits of the sequence per (batch, kv head) for about `programs_per_sm` programs per SM in all."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    return max(1, -(-programs_per_sm * sms // heads))
+    return max(1, -(-programs_per_sm * _sm_count(device) // heads))
 
 
 def _default_splits(n_tiles: int, heads: int, device: torch.device) -> int:
@@ -137,6 +191,32 @@ def ptx_unpacking() -> bool:
     return not interpreting() and torch.version.hip is None
 
 
+@functools.cache
 def capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA compute capability the kernels are tuned for on `device`; the interpreter runs sm_90's."""
+    """The CUDA compute capability the kernels are tuned for on `device` (read once per device); the
+    interpreter runs sm_90's."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
+
+
+_SCRATCH = threading.local()  # per thread: device -> a flat fp32 buffer the launcher reuses
+
+
+def scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """A flat fp32 buffer of at least `numel` elements on `device`, reused across calls of this thread (grown
+    as needed): the split kernel's partial outputs, written and merged within one call, so the decode step
+    allocates no new buffer for them. Not for results a caller keeps."""
+    pool = getattr(_SCRATCH, "pool", None)
+    if pool is None:
+        pool = _SCRATCH.pool = {}
+    buf = pool.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = pool[device] = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), device=device)
+    return buf[:numel]
+
+
+@functools.lru_cache(maxsize=16)
+def stand_ins(device: torch.device) -> dict[str, torch.Tensor]:
+    """One-element tensors passed where a cache holds no such tensor (the kernel never reads them), by dtype:
+    made once per device, not per call."""
+    return {name: torch.empty(1, dtype=dtype, device=device) for name, dtype in
+            (("u8", torch.uint8), ("fp16", torch.float16), ("fp32", torch.float32))}  # fmt: skip

@@ -44,6 +44,12 @@ _FP16_MAX = tl.constexpr(FP16_MAX)  # globals read inside kernels must be conste
 _FP8_UNIT = tl.constexpr(256.0)  # fp8 codes are unpacked as value / 256 (see _fp8_decode)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of Python integers, for grids and tile counts (triton.cdiv is a jit function: a few
+    microseconds a call from the host, several calls a decode step)."""
+    return -(-a // b)
+
+
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

@@ -42,17 +42,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import formats
 from . import reference_attention
 from .launch import (
+    DECODE_STEP_INTS,
+    MERGE_STEP_INTS,
     NUM_STAGES,
     _block_m,
     _default_splits,
     capability,
+    decode_constants,
     fold_once,
     launch_config,
     method_kind,
     ptx_unpacking,
+    row_widths,
+    scratch,
+    stand_ins,
     supports_attention,
 )
 from .reference import QuantizedTensor
@@ -65,6 +70,7 @@ from .triton_codes import (
     _pow2,
     _unpack,
     _unpack_values,
+    cdiv,
 )
 
 MAX_BLOCK_N = 128  # most tokens per attention tile (tiles of per-channel keys stay inside one key group)
@@ -145,7 +151,7 @@ def _full_segment(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DECODE_STEP_INTS)
 def _decode_split_kernel(
     q_ptr,
     sq_b,
@@ -467,7 +473,7 @@ def _decode_split_kernel(
     tl.store(lse_part_ptr + slot * BLOCK_M + offs_m, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_STEP_INTS)
 def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_M: tl.constexpr, D: tl.constexpr):
     """Program (batch * kv head): log-sum-exp merge of the n_parts partial results of its M rows."""
     pid = tl.program_id(0).to(tl.int64)
@@ -496,22 +502,17 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_parts, M, BLOCK_
 # --- launch: past_attention and the kernel's arguments ----------------------------------------------
 
 
-def _code_kind(q: QuantizedTensor) -> int:
-    """The decode kernel's K_CODE / V_CODE of a stored part (its format's `code_kind`: 0 integer or fp8 codes,
-    1 codebook levels, 2 nvfp4)."""
-    return formats.get(q.fmt).code_kind
-
-
 def _levels(q: QuantizedTensor) -> torch.Tensor:
     """The codebook the kernel reads: fp16, as stored (QuantizedTensor's contract; the quantizer picks codes
     with the fp16 levels), so looked-up codes are exact fp16 dot operands."""
     return q.levels.half()
 
 
-def _arg(t: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
-    """(tensor, stride_b, stride_h, stride_t) for the kernel; empty or missing tensors become a dummy."""
+def _arg(t: torch.Tensor | None, dummy: torch.Tensor, row: int = 0) -> tuple:
+    """(tensor, stride_b, stride_h, stride_t) for the kernel; empty or missing tensors become a dummy with the
+    row stride `row` the real tensor would have (`launch.row_widths`: the same variant before and after)."""
     if t is None or t.numel() == 0:
-        return dummy, 0, 0, 0
+        return dummy, 0, 0, row
     if t.stride(-1) != 1:
         t = t.contiguous()
     if t.shape[2] * t.stride(2) >= 2**31:  # the kernel's offsets within one (batch, head) are int32
@@ -585,30 +586,28 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     quant = r.has_codes
     keys, values = kv.keys.quantized, kv.values.quantized  # QuantizedTensor, or None without codes
     block_n = min(block_n, MAX_BLOCK_N)
-    if quant and keys.axis == "channel":
-        block_n = min(block_n, keys.group)
+    if kv.spec.is_quantized and kv.spec.key_axis == "channel":  # tiles stay inside one key block
+        block_n = min(block_n, kv.spec.key_group(d))
     if not (_pow2(block_n) and block_n >= 16):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    n_tiles = triton.cdiv(q_len, block_n) if quant else 0  # quantized tiles (positions [0, Q), aligned)
-    r_tiles = triton.cdiv(r_len, block_n)
+    n_tiles = cdiv(q_len, block_n) if quant else 0  # quantized tiles (positions [0, Q), aligned)
+    r_tiles = cdiv(r_len, block_n)
     if num_splits is None:
         num_splits = _default_splits(n_tiles + r_tiles, b * hkv, query.device)
-    tiles_per_split = max(1, triton.cdiv(n_tiles + r_tiles, max(1, int(num_splits))))
-    q_splits = triton.cdiv(n_tiles, tiles_per_split)
-    parts = q_splits + max(1, triton.cdiv(r_tiles, tiles_per_split))  # the first residual split has the sinks
-    o_part = torch.empty((b * hkv, parts, block_m, d), dtype=torch.float32, device=query.device)
-    lse_part = torch.empty((b * hkv, parts, block_m), dtype=torch.float32, device=query.device)
+    tiles_per_split = max(1, cdiv(n_tiles + r_tiles, max(1, int(num_splits))))
+    q_splits = cdiv(n_tiles, tiles_per_split)
+    parts = q_splits + max(1, cdiv(r_tiles, tiles_per_split))  # the first residual split has the sinks
+    partials = scratch(query.device, b * hkv * parts * block_m * (d + 1))  # merged within this call
+    o_part = partials[: b * hkv * parts * block_m * d].view(b * hkv, parts, block_m, d)
+    lse_part = partials[b * hkv * parts * block_m * d :].view(b * hkv, parts, block_m)
     out = torch.empty((b, hq, n, d), dtype=torch.float32, device=query.device)
     lse = torch.empty((b, hq, n), dtype=torch.float32, device=query.device)
     # stand-ins for absent tensors, of the dtypes the kernel reads there (it is compiled for both branches:
     # a float pointer where codes belong would give the PTX unpacking blocks fp32 inputs)
     dummy = query
-    no_codes, no_meta = query.new_empty(1, dtype=torch.uint8), query.new_empty(1, dtype=torch.float16)
+    absent = stand_ins(query.device)
+    no_codes, no_meta, no_fp32 = absent["u8"], absent["fp16"], absent["fp32"]
     q_arg = query if query.stride(-1) == 1 else query.contiguous()
-    k_fmt = keys.fmt if quant else "int8"
-    v_fmt = values.fmt if quant else "int8"
-    # the methods beyond uniform codes (see the kernel's docstring); absent ones get stand-ins of their dtypes
-    no_fp32 = query.new_empty(1, dtype=torch.float32)
     k_rot = quant and keys.rotation is not None
     v_rot = quant and values.rotation is not None
     if k_rot:  # the codes see q @ R: both contiguous, so one set of strides serves q and q @ R
@@ -617,6 +616,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     k_rope = quant and keys.rope is not None
     if k_rope:
         cos, sin = keys.rope.tables(keys.start, keys.start + keys.codes.shape[-2], query.device)  # [rows, rd]
+    rows = row_widths(kv.spec, d)
     k_cap = keys.outlier_index.shape[-1] if quant and keys.outlier_index is not None else 0
     v_cap = values.outlier_index.shape[-1] if quant and values.outlier_index is not None else 0
     _decode_split_kernel[(parts, b * hkv)](
@@ -626,12 +626,12 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         *_arg(kv.values.sinks, dummy),
         *_arg(kv.keys.residual, dummy),
         *_arg(kv.values.residual, dummy),
-        *_arg(keys.codes if quant else None, no_codes),
-        *_arg(keys.scale if quant else None, no_meta),
-        *_arg(keys.zero if quant else None, no_meta),
-        *_arg(values.codes if quant else None, no_codes),
-        *_arg(values.scale if quant else None, no_meta),
-        *_arg(values.zero if quant else None, no_meta),
+        *_arg(keys.codes if quant else None, no_codes, rows["kc"]),
+        *_arg(keys.scale if quant else None, no_meta, rows["ks"]),
+        *_arg(keys.zero if quant else None, no_meta, rows["kz"]),
+        *_arg(values.codes if quant else None, no_codes, rows["vc"]),
+        *_arg(values.scale if quant else None, no_meta, rows["vs"]),
+        *_arg(values.zero if quant else None, no_meta, rows["vz"]),
         q_rot if k_rot else q_arg,
         _levels(keys) if quant and keys.levels is not None else no_meta,
         _levels(values) if quant and values.levels is not None else no_meta,
@@ -640,10 +640,10 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         keys.start if quant else 0,
         max(1, keys.block) if quant else 1,
         max(1, values.block) if quant else 1,
-        *_arg(keys.outlier_delta if k_cap else None, no_meta),
-        *_arg(keys.outlier_index if k_cap else None, no_codes),
-        *_arg(values.outlier_delta if v_cap else None, no_meta),
-        *_arg(values.outlier_index if v_cap else None, no_codes),
+        *_arg(keys.outlier_delta if k_cap else None, no_meta, rows["ko"]),
+        *_arg(keys.outlier_index if k_cap else None, no_codes, rows["ko"]),
+        *_arg(values.outlier_delta if v_cap else None, no_meta, rows["vo"]),
+        *_arg(values.outlier_index if v_cap else None, no_codes, rows["vo"]),
         cos if k_rope else no_fp32,
         sin if k_rope else no_fp32,
         cos.stride(0) if k_rope else 0,
@@ -662,21 +662,9 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         D=d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        K_BITS=formats.get(k_fmt).bits,
-        K_FP8=formats.get(k_fmt).fp8_code,
-        K_CHANNEL=kv.spec.key_axis == "channel",
-        K_GROUP=keys.group if quant else block_n,
-        V_BITS=formats.get(v_fmt).bits,
-        V_FP8=formats.get(v_fmt).fp8_code,
-        V_GROUP=values.group if quant else d,
         PTX=ptx_unpacking(),
         FOLD_ONCE=keep_fold,
-        K_CODE=_code_kind(keys) if quant else 0,
-        V_CODE=_code_kind(values) if quant else 0,
-        K_OUTLIERS=k_cap,
-        V_OUTLIERS=v_cap,
-        K_ROTATED=k_rot,
-        K_ROPE=cos.shape[-1] if k_rope else 0,
+        **decode_constants(kv.spec, d, block_n, cos.shape[-1] if k_rope else 0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

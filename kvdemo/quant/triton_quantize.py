@@ -51,6 +51,7 @@ from .triton_codes import (
     _fp8_encode,
     _pow2,
     _round_half_even,
+    cdiv,
 )
 
 QUANT_TILE = 4096  # elements per quantize program (registers: ~32 fp32 values per thread at 4 warps)
@@ -230,7 +231,7 @@ def quantize_into(
     else:
         block_t = max(1, QUANT_TILE // d)
         block_j = 1
-        grid = (b * h, triton.cdiv(t, block_t))
+        grid = (b * h, cdiv(t, block_t))
     _quantize_kernel[grid](
         x,
         codes,
@@ -682,7 +683,7 @@ def _quantize_methods(x, fmt, axis, group, levels, outliers, rotation, rope, sta
     mids = (lv[1:].float() + lv[:-1].float()) / 2 if nuq else None  # reference's boundaries, fp32
     dummy16 = scale
     if t and b * h:
-        programs = t // group if axis == "channel" else triton.cdiv(t, rows)
+        programs = t // group if axis == "channel" else cdiv(t, rows)
         _quantize_methods_kernel[(b * h, programs)](
             xin, codes, scale, dummy16 if zero is None else zero, lv if nuq else dummy16,
             mids if nuq else xin, dummy16 if delta is None else delta, codes if index is None else index,
