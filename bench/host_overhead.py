@@ -7,8 +7,8 @@ the buffers, the arguments. Runs on the CPU, no GPU needed (the kernels are neve
 
     python bench/host_overhead.py --out assets/reports/host_overhead.json --label after
 
-Each run appends its rows (per precision: microseconds per call, the fastest of `--repeats` rounds of `--calls`
-calls) under its label, with the commit, machine and date, so a report holds the code before and after a
+Each run adds its rows (per precision: microseconds per call, the fastest of `--repeats` rounds of `--calls`
+calls, the precisions taking turns) under its label, with the commit, machine and date, so a report holds the code before and after a
 change side by side (same machine, separate runs: compare them as separate runs on a shared CPU).
 """
 
@@ -42,27 +42,33 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def host_us(precision: str, context: int, calls: int, repeats: int) -> dict:
-    """Microseconds per `past_attention` call over a layer holding `context` tokens at `precision`."""
+def host_us(precisions: list[str], context: int, calls: int, repeats: int) -> list[dict]:
+    """Microseconds per `past_attention` call over a layer holding `context` tokens, per precision: the fastest
+    of `repeats` rounds of `calls` calls, the precisions taking turns round by round (a busy moment of a shared
+    CPU then costs each precision one round, not one precision all of its rounds)."""
     b, hq, hkv, d = SHAPE["batch"], SHAPE["q_heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
     g = torch.Generator().manual_seed(0)
-    cache = QuantizedKVCache(parse_precision(precision), num_layers=1)  # nuq: NormalFloat levels
-    cache.update(torch.randn(b, hkv, context, d, generator=g), torch.randn(b, hkv, context, d, generator=g), 0)
     query = torch.randn(b, hq, 1, d, generator=g)
-    packed = cache.layers[0].packed()
+    packed = {}
+    for precision in precisions:
+        cache = QuantizedKVCache(parse_precision(precision), num_layers=1)  # nuq: NormalFloat levels
+        cache.update(torch.randn(b, hkv, context, d, generator=g), torch.randn(b, hkv, context, d, generator=g), 0)
+        packed[precision] = cache.layers[0].packed()
     saved = triton_decode._decode_split_kernel, triton_decode._merge_kernel
     triton_decode._decode_split_kernel = triton_decode._merge_kernel = _NoLaunch()
+    best = dict.fromkeys(precisions, float("inf"))
     try:
-        triton_decode.past_attention(query, packed, d**-0.5)  # first call: whatever is set up once
-        rounds = []
+        for kv in packed.values():
+            triton_decode.past_attention(query, kv, d**-0.5)  # first call: whatever is set up once
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                triton_decode.past_attention(query, packed, d**-0.5)
-            rounds.append((time.perf_counter() - t0) / calls * 1e6)
+            for precision, kv in packed.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    triton_decode.past_attention(query, kv, d**-0.5)
+                best[precision] = min(best[precision], (time.perf_counter() - t0) / calls * 1e6)
     finally:
         triton_decode._decode_split_kernel, triton_decode._merge_kernel = saved
-    return {"precision": precision, "context": context, "us_per_call": round(min(rounds), 2)}
+    return [{"precision": p, "context": context, "us_per_call": round(best[p], 2)} for p in precisions]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="run", help="the name this run's rows go under (e.g. before, after)")
     p.add_argument("--out", default="", help="JSON report to add this run to (created when missing)")
     args = p.parse_args(argv)
-    rows = [host_us(s.strip(), args.context, args.calls, args.repeats) for s in args.precisions.split(",") if s]
+    rows = host_us([s.strip() for s in args.precisions.split(",") if s.strip()], args.context, args.calls, args.repeats)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     run = {
         "label": args.label,
