@@ -545,3 +545,16 @@ def test_scalar_floor_tables_and_figures_are_its_report():
         if r["precision"] == "knuq2v8:o1" and r["seed"] < report["passkey"]["repeats"]
     ]
     assert mine == theirs
+
+
+def test_host_overhead_figures_are_the_report():
+    """docs/kernels.md's host time per decode-attention call, before and after: assets/reports/host_overhead.json."""
+    runs = {r["label"]: r for r in _report("host_overhead.json")["runs"]}
+    page = _page("kernels.md")
+    section = page[page.index("## The host side of a decode step") : page.index("## Checks, with and without a GPU")]
+    assert f"(commit {runs['before']['commit']}) and after ({runs['after']['commit']})" in section
+    assert runs["after"]["date"] in section
+    before = {r["precision"]: r["us_per_call"] for r in runs["before"]["rows"]}
+    for row in runs["after"]["rows"]:
+        name = row["precision"]
+        assert f"{name} {before[name]:.1f} -> {row['us_per_call']:.1f} us" in section, name
