@@ -41,6 +41,7 @@ from kvdemo.quant import launch, triton_decode, triton_quantize  # noqa: E402
 STRIDE = re.compile(r"^s[a-z]*_[bhtd]$")  # stride arguments: sx_t, skc_h, ...
 U8 = {"codes_ptr", "kc_ptr", "vc_ptr", "koi_ptr", "voi_ptr"}
 FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr", "qr_ptr", "kts_ptr", "vts_ptr", "cos_ptr", "sin_ptr"}
+I32 = {"lens_ptr"}  # the regions' lengths [S, Q, R], read on the device
 MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # other pointers: fp16 scales
 # strides that are not multiples of 16 in a real cache: sparse outliers' rows (cap entries), nvfp4 tensor scales
 UNALIGNED = {"skod_t", "skoi_t", "svod_t", "svoi_t", "skts_b", "skts_h", "svts_b", "svts_h"}
@@ -64,7 +65,15 @@ def signature(fn, constexprs: dict, half: str = "fp16", pointers: dict | None = 
             continue
         if name.endswith("_ptr"):
             sig[name] = (pointers or {}).get(name) or (
-                "*u8" if name in U8 else "*fp32" if name in FP32 else f"*{half}" if name in MODEL_DTYPE else "*fp16"
+                "*u8"
+                if name in U8
+                else "*i32"
+                if name in I32
+                else "*fp32"
+                if name in FP32
+                else f"*{half}"
+                if name in MODEL_DTYPE
+                else "*fp16"
             )
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .layout import Layout, Regions
 from .precision import PrecisionSpec, parse_precision
 from .quant import quantize, reference
+from .quant.backend import backend_for
 from .quant.reference import QuantizedTensor
 from .quant.rotations import hadamard
 
@@ -44,6 +45,9 @@ class PackedKV:
     regions: Regions
     keys: StoredPart
     values: StoredPart
+    # int32 [sinks, coded up to, residual rows] on the device, when the layer keeps them there (its whole past,
+    # on the Triton backend): the decode kernel reads them, so a step launches with the same arguments as the last
+    lengths: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -134,7 +138,18 @@ class _Growable:
         self.unit = 1  # capacity is a multiple of this many rows (set from the row width at the first append)
 
     def reserve(self, rows: int) -> None:
+        """Keep room for `rows` rows: a buffer that exists grows to it now (a copy before the appends, not during
+        them), one not made yet is made that size at the first append."""
         self.reserved = max(self.reserved, int(rows))
+        if self.data is not None and self.data.shape[self.dim] < self.reserved:
+            self._resize(self.capacity(self.length))
+
+    def _resize(self, rows: int) -> None:
+        shape = list(self.data.shape)
+        shape[self.dim] = rows
+        bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
+        bigger.narrow(self.dim, 0, self.length).copy_(self.view())
+        self.data = bigger
 
     def capacity(self, needed: int, reserved: bool = True) -> int:
         """Rows to allocate for `needed` rows: 1/32 spare (at least MIN_ROWS), at least what `reserve` asked
@@ -152,13 +167,20 @@ class _Growable:
             shape[self.dim] = self.capacity(n)
             self.data = torch.empty(shape, dtype=x.dtype, device=x.device)
         elif self.length + n > self.data.shape[self.dim]:
-            shape = list(self.data.shape)
-            shape[self.dim] = self.capacity(self.length + n)
-            bigger = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
-            bigger.narrow(self.dim, 0, self.length).copy_(self.view())
-            self.data = bigger
+            self._resize(self.capacity(self.length + n))
         self.data.narrow(self.dim, self.length, n).copy_(x)
         self.length += n
+
+    def has_room(self, n: int) -> bool:
+        """Whether `n` more rows fit without growing (a growth moves the buffer)."""
+        return self.data is not None and self.length + n <= self.data.shape[self.dim]
+
+    def append_at(self, x: torch.Tensor, at: torch.Tensor) -> None:
+        """Append one row `x` (size 1 along dim) at row `at`: an int64 [1] tensor on the device holding the
+        current length. The write's address comes from the device, not from the host's length, so a captured
+        decode step replayed later writes the row after the one it wrote when captured. Needs `has_room(1)`."""
+        self.data.index_copy_(self.dim % self.data.dim(), at, x)
+        self.length += 1
 
     def view(self, length: int | None = None) -> torch.Tensor | None:
         if self.data is None:
@@ -169,9 +191,9 @@ class _Growable:
         """Remove the first n entries (the remainder moves to the front)."""
         keep = self.length - n
         rest = self.data.narrow(self.dim, n, keep).clone()
-        if self.data.shape[self.dim] > 2 * self.capacity(keep, reserved=False):  # a long prefill passed: give it back
-            shape = list(self.data.shape)
-            shape[self.dim] = self.capacity(keep, reserved=False)
+        if self.data.shape[self.dim] > 2 * self.capacity(keep):  # a long prefill passed: give it back (not below
+            shape = list(self.data.shape)  # what `reserve` asked: a decode's residual window stays where it is)
+            shape[self.dim] = self.capacity(keep)
             self.data = torch.empty(shape, dtype=self.data.dtype, device=self.data.device)
         self.data.narrow(self.dim, 0, keep).copy_(rest)
         self.length = keep
@@ -331,6 +353,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.regions = Regions(0, 0, 0)
         self._methods = (key_method, value_method)
         self._warm = False  # `warm_up` ran
+        self.lengths: torch.Tensor | None = None  # int32 [S, Q, R] on the device where a kernel reads them
+        self._device_lengths = False  # set at the first append: whether kernels read `lengths`
         self.keys = _PartBuffers(spec.key_format, spec.key_axis, copy.copy(key_method))
         self.values = _PartBuffers(spec.value_format, "token", copy.copy(value_method))
 
@@ -362,6 +386,7 @@ class QuantizedLayer(CacheLayerMixin):
                 self.keys.method.rotation = self.values.method.rotation = rotation
         self.keys.configure(key_states, spec.key_group(d))
         self.values.configure(value_states, spec.value_group(d))
+        self._device_lengths = backend_for(self.device) == "triton"
         self.is_initialized = True
 
     # --- transformers CacheLayerMixin API --------------------------------------------------------
@@ -371,6 +396,15 @@ class QuantizedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         before = self.regions
         after = self.layout.after_append(before, key_states.shape[-2])
+        if self.can_advance() and Layout.one_more_exact(before, after):
+            # one token into the residual, written at the residual length the device holds: a captured decode
+            # step replays this append at the right row (`advance` then does the host's part)
+            at = self.lengths[2:].long()
+            self.keys.residual.append_at(key_states, at)
+            self.values.residual.append_at(value_states, at)
+            self.regions = after
+            self.lengths[2:].add_(1)
+            return self._view(before, key_states, value_states)
         to_sinks = after.sinks - before.sinks
         self.keys.append(key_states, to_sinks)
         self.values.append(value_states, to_sinks)
@@ -380,8 +414,51 @@ class QuantizedLayer(CacheLayerMixin):
             self.keys.flush(stop - start, pad)
             self.values.flush(stop - start, pad)
         self.regions = after
+        if self._device_lengths:
+            self._copy_lengths(after)
+        return self._view(before, key_states, value_states)
+
+    def _view(self, before: Regions, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple:
         view = CacheView(self, before.tokens, key_states, value_states)
         return view, view
+
+    def _copy_lengths(self, now: Regions) -> None:
+        """Copy the regions' lengths [S, Q, R] to `lengths` on the device (after anything but a one-token
+        residual append, which adds one there: see `update`)."""
+        host = torch.tensor([now.sinks, now.quantized if now.has_codes else 0, now.residual], dtype=torch.int32)
+        if self.lengths is None:
+            self.lengths = host.to(self.device)
+        else:
+            self.lengths.copy_(host)
+
+    def can_advance(self) -> bool:
+        """Whether the next one-token append can be a static step: the lengths live on the device and both
+        residual buffers have room for it (it does not say whether the append would flush: `next_is_static`)."""
+        return self.lengths is not None and self.keys.residual.has_room(1) and self.values.residual.has_room(1)
+
+    def next_is_static(self) -> bool:
+        """Whether appending one token now would be a static step: written in place at a device-held row, with
+        no sink, no flush and no buffer growth, so every pointer and integer a decode step launches stays."""
+        return self.can_advance() and Layout.one_more_exact(self.regions, self.layout.after_append(self.regions, 1))
+
+    def advance(self) -> None:
+        """The host's part of a static one-token append whose device part (the row's write, the lengths' add)
+        was replayed from a captured step: the same bookkeeping `update` does for it."""
+        if not self.next_is_static():
+            raise RuntimeError("advance() needs a static next step (next_is_static)")
+        self.keys.residual.length += 1
+        self.values.residual.length += 1
+        self.regions = self.layout.after_append(self.regions, 1)
+
+    def buffers(self) -> tuple:
+        """What a captured decode step of this layer depends on besides the lengths' values: each buffer's address
+        (None for an absent one) and whether codes are read at all."""
+        ptrs = []
+        for part in (self.keys, self.values):
+            grow = (part.codes, part.scale, part.zero, part.tensor_scale, part.outlier_delta, part.outlier_index)
+            ptrs += [None if g.data is None else g.data.data_ptr() for g in (*grow, part.residual)]
+            ptrs.append(None if part.sinks is None else part.sinks.data_ptr())
+        return (*ptrs, self.regions.has_codes, self.regions.sinks, self.lengths is not None and self.lengths.data_ptr())
 
     def reserve(self, tokens: int) -> None:
         """Size the buffers for `tokens` positions (a prompt of known length): appends up to there write in
@@ -396,8 +473,11 @@ class QuantizedLayer(CacheLayerMixin):
         for part in (self.keys, self.values):
             if part.method.block:
                 part.tensor_scale.reserve(coded // part.method.block)
-        self.keys.reserve(coded, key_meta, 0)
-        self.values.reserve(coded, coded, 0)
+        # where kernels read the lengths on the device, the residual keeps room for its whole window (a decode
+        # step's append then never moves it, and a captured step stays valid across flushes)
+        window = self.spec.residual + self.spec.group_size if self._device_lengths else 0
+        self.keys.reserve(coded, key_meta, window)
+        self.values.reserve(coded, coded, window)
 
     def warm_up(self) -> None:
         """Compile, where kernels compile (CUDA), what this layer's flushes will launch: once, after the first
@@ -439,6 +519,7 @@ class QuantizedLayer(CacheLayerMixin):
             r,
             self.keys.stored(r, key_rows, key_meta),
             self.values.stored(r, r.quantized, r.quantized),
+            self.lengths if r.tokens == self.length else None,  # the layer's lengths describe its whole past
         )
 
     def nbytes(self) -> dict:

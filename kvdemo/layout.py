@@ -108,6 +108,13 @@ class Layout:
         return start >= now.quantized or stop <= now.sinks
 
     @staticmethod
+    def one_more_exact(before: Regions, after: Regions) -> bool:
+        """Whether `after` is `before` plus one token in the residual window: no sink, no flush (the append a
+        decode step makes between flushes, whose buffers and kernel arguments stay where they were)."""
+        same = (after.sinks, after.quantized) == (before.sinks, before.quantized)
+        return same and after.tokens == before.tokens + 1 and after.tokens > after.sinks
+
+    @staticmethod
     def newly_coded(before: Regions, after: Regions) -> tuple[int, int]:
         """Positions [start, stop) that one append moved from the residual into codes (sinks fill first)."""
         return max(before.quantized, after.sinks), after.quantized

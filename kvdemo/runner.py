@@ -16,6 +16,7 @@ import torch
 from transformers import Cache
 
 from .cache import QuantizedKVCache
+from .graphs import DecodeSteps
 from .models import LoadedModel
 from .precision import PrecisionSpec, parse_precision
 
@@ -199,8 +200,12 @@ def generate(
 
     Returns (tokens, logits kept per token, stop reason, seconds spent). The stop token, if any, is
     included in `tokens`. `should_stop()` is polled before each token (raise nothing: returns).
+    On CUDA with the Triton backend, steps between flushes replay a captured CUDA graph (`kvdemo.graphs`;
+    KVDEMO_CUDA_GRAPHS=0 turns it off); elsewhere each step is a one-token `prefill`.
     """
     stops = stop_token_ids(lm)
+    steps = DecodeSteps(lm, cache, new_tokens=max_new_tokens)
+    next_logits = steps.step if steps.capture is not None else lambda token: prefill(lm, [token], cache)
     tokens, kept, logits, reason = [], [], first_logits, "length"
     start = time.perf_counter()
     for step in range(max_new_tokens):
@@ -217,7 +222,7 @@ def generate(
             reason = "eos"
             break
         if step + 1 < max_new_tokens:
-            logits = prefill(lm, [nxt], cache)
+            logits = next_logits(nxt)
     return tokens, kept, reason, time.perf_counter() - start
 
 

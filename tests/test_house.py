@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("kvdemo.codebooks", "kvdemo.cache")),
     ("attention", ("kvdemo.attention",)),
     ("models", ("kvdemo.models",)),
-    ("runner", ("kvdemo.runner", "kvdemo.batch")),
+    ("runner", ("kvdemo.runner", "kvdemo.graphs", "kvdemo.batch")),
     (
         "measures",
         (

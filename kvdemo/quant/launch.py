@@ -95,10 +95,9 @@ def method_kind(kv) -> str:
     return "" if plain else "codes"
 
 
-# Integer arguments of the decode kernels that change from one decode step to the next (lengths of the
-# regions, the tiles of a split, the parts to merge): Triton would otherwise compile a variant per value
-# class (== 1, divisible by 16), inside the timed decode.
-DECODE_STEP_INTS = ("row0", "S", "Q", "R", "tiles_per_split", "num_splits", "parts")
+# Integer arguments of the decode kernels that may change from one call to the next: Triton would otherwise
+# compile a variant per value class (== 1, divisible by 16), inside the timed decode.
+DECODE_STEP_INTS = ("row0",)  # the lengths are read from the device (lens_ptr), the grid is fixed
 MERGE_STEP_INTS = ("n_parts",)
 
 
@@ -180,9 +179,7 @@ def splits_for(heads: int, device: torch.device, programs_per_sm: int = PROGRAMS
     return max(1, -(-programs_per_sm * _sm_count(device) // heads))
 
 
-def _default_splits(n_tiles: int, heads: int, device: torch.device) -> int:
-    """`splits_for` the default programs per SM, with >= 4 tiles per split."""
-    return max(1, min(splits_for(heads, device), n_tiles // 4))
+MIN_TILES_PER_SPLIT = 4  # by default a program takes at least this many tiles (fewer programs on a short past)
 
 
 def ptx_unpacking() -> bool:

@@ -46,9 +46,9 @@ from . import reference_attention
 from .launch import (
     DECODE_STEP_INTS,
     MERGE_STEP_INTS,
+    MIN_TILES_PER_SPLIT,
     NUM_STAGES,
     _block_m,
-    _default_splits,
     capability,
     decode_constants,
     fold_once,
@@ -57,6 +57,7 @@ from .launch import (
     ptx_unpacking,
     row_widths,
     scratch,
+    splits_for,
     stand_ins,
     supports_attention,
 )
@@ -233,11 +234,9 @@ def _decode_split_kernel(
     HKV,
     N_Q,
     M,
-    S,
-    Q,
-    R,
-    tiles_per_split,
-    num_splits,
+    lens_ptr,
+    splits,
+    min_tiles,
     qk_scale,
     parts,
     D: tl.constexpr,
@@ -261,9 +260,14 @@ def _decode_split_kernel(
 ):
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
-    split < num_splits: quantized tiles [split * tiles_per_split, ...) of positions [S, Q);
-    split = num_splits + f: residual rows [f * tiles_per_split * BLOCK_N, ...), and for f = 0 also the
-    sinks [0, S). Writes o (normalized) and lse of its slot; `parts` slots per (batch, kv head).
+    The regions' lengths are read from the device (lens_ptr: int32 [S, Q, R]: sinks [0, S), codes [S, Q),
+    residual R rows), and the grid is fixed at `parts` = splits + 1 programs per (batch, kv head) whatever the
+    lengths, so a decode step launches with the same arguments as the step before (a CUDA graph can replay it).
+    Each program works out its share: tiles_per_split = max(min_tiles, ceil(tiles / splits)); split <
+    num_splits (= ceil(quantized tiles / tiles_per_split)): quantized tiles [split * tiles_per_split, ...) of
+    positions [S, Q); split = num_splits + f: residual rows [f * tiles_per_split * BLOCK_N, ...), and for f = 0
+    also the sinks [0, S); programs past both exit with an empty slot (lse -inf, merged with weight 0).
+    Writes o (normalized) and lse of its slot; `parts` slots per (batch, kv head).
 
     The methods beyond uniform codes (defaults: off, the plain variants compile as without them):
     K_CODE / V_CODE 0: integer or fp8 codes (K_BITS 3: bit-sliced int3), 1: nuq codebook levels
@@ -291,6 +295,12 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    S = tl.load(lens_ptr)
+    Q = tl.load(lens_ptr + 1)
+    R = tl.load(lens_ptr + 2)
+    n_tiles = tl.cdiv(Q, BLOCK_N)  # quantized tiles (positions [0, Q), aligned)
+    tiles_per_split = tl.maximum(min_tiles, tl.cdiv(n_tiles + tl.cdiv(R, BLOCK_N), splits))
+    num_splits = tl.cdiv(n_tiles, tiles_per_split)
     if pid_s >= num_splits:
         f = pid_s - num_splits
         if f == 0:
@@ -344,7 +354,6 @@ def _decode_split_kernel(
         if K_ROTATED:  # Hadamard: q . k = (q R) . (k R), the codes' space; sinks and residual keep q
             q = tl.load(qr_ptr + q_offs, mask=row_ok[:, None], other=0.0) * qk_scale
             q_hi, q_lo = _hi_lo(q)
-        n_tiles = tl.cdiv(Q, BLOCK_N)
         t_begin = pid_s * tiles_per_split
         t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
         # per-channel keys: q with the current key block's scales folded in (fp16 hi + lo halves) and q . zero;
@@ -590,13 +599,14 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         block_n = min(block_n, kv.spec.key_group(d))
     if not (_pow2(block_n) and block_n >= 16):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    n_tiles = cdiv(q_len, block_n) if quant else 0  # quantized tiles (positions [0, Q), aligned)
-    r_tiles = cdiv(r_len, block_n)
-    if num_splits is None:
-        num_splits = _default_splits(n_tiles + r_tiles, b * hkv, query.device)
-    tiles_per_split = max(1, cdiv(n_tiles + r_tiles, max(1, int(num_splits))))
-    q_splits = cdiv(n_tiles, tiles_per_split)
-    parts = q_splits + max(1, cdiv(r_tiles, tiles_per_split))  # the first residual split has the sinks
+    # a fixed grid: `splits` programs share the tiles, one more takes the rest (a bound: ceil(q / t) + ceil(r / t)
+    # <= splits + 1 for t >= (q + r) / splits); the kernel reads the lengths and works out its share
+    splits = max(1, int(num_splits)) if num_splits is not None else splits_for(b * hkv, query.device)
+    min_tiles = 1 if num_splits is not None else MIN_TILES_PER_SPLIT
+    parts = splits + 1
+    lens = kv.lengths  # int32 [S, Q, R] on the device, kept by the layer for its whole past
+    if lens is None:  # a view of part of a layer's past: its own lengths, copied to the device
+        lens = torch.tensor([s_len, q_len if quant else 0, r_len], dtype=torch.int32).to(query.device)
     partials = scratch(query.device, b * hkv * parts * block_m * (d + 1))  # merged within this call
     o_part = partials[: b * hkv * parts * block_m * d].view(b * hkv, parts, block_m, d)
     lse_part = partials[b * hkv * parts * block_m * d :].view(b * hkv, parts, block_m)
@@ -652,11 +662,9 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         hkv,
         n,
         m,
-        s_len,
-        q_len if quant else 0,
-        r_len,
-        tiles_per_split,
-        q_splits,
+        lens,
+        splits,
+        min_tiles,
         float(scaling) * LOG2E,
         parts,
         D=d,
@@ -669,6 +677,8 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         num_stages=num_stages,
     )
     if v_rot:  # the quantized splits' outputs are in the values' rotated space: turn them back (out @ R.T)
+        n_tiles, r_tiles = cdiv(q_len, block_n), cdiv(r_len, block_n)  # as the kernel shares them out
+        q_splits = cdiv(n_tiles, max(min_tiles, cdiv(n_tiles + r_tiles, splits)))
         rot = values.rotation.to(device=query.device, dtype=torch.float32)
         o_part[:, :q_splits] = o_part[:, :q_splits] @ rot.T
     _merge_kernel[(b * hkv,)](o_part, lse_part, out, lse, parts, m, BLOCK_M=block_m, D=d, num_warps=4)
