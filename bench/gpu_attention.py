@@ -132,7 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-prompt", type=int, default=None, help="prompt tokens, default 4096 (smoke: 48)")
     p.add_argument("--e2e-tokens", type=int, default=None, help="new tokens per run, default 64 (smoke: 2)")
     p.add_argument("--e2e-precisions", default=None, help="default full,int8,int4 (smoke: full,int4)")
-    p.add_argument("--e2e-backends", default="torch,triton")
+    p.add_argument(
+        "--e2e-backends",
+        default="torch,triton,triton+graphs,hf-dynamic,hf-static",
+        help="kvdemo's cache on the PyTorch path (torch), the Triton kernels with eager steps (triton) or steps "
+        "replayed from a CUDA graph (triton+graphs); transformers' own DynamicCache / StaticCache decode with "
+        "SDPA (hf-dynamic, hf-static: full precision only)",
+    )
     p.add_argument("--sweep", default="auto", help="launch-setting sweep: auto (full runs), on, off")
     p.add_argument("--time-budget-s", type=float, default=420.0, help="decode rows past this are skipped")
     p.add_argument("--sections", default=",".join(SECTIONS), help="which sections run (always in the order above)")
@@ -427,8 +433,72 @@ def e2e_model_and_prompt(source: str, device: torch.device, n_tokens: int, new_t
     return lm, prose_ids(lm, min(n_tokens, lm.max_context - new_tokens))
 
 
-def bench_e2e(device: torch.device, args) -> list[dict]:
+def kvdemo_decode(lm, ids: list[int], spec, backend: str, args, device: torch.device) -> dict:
+    """Prefill and greedy decode through kvdemo's cache: backend "torch", "triton" (eager steps) or
+    "triton+graphs" (steps between flushes replayed from a CUDA graph); one warm-up run first."""
     from kvdemo import runner
+    from kvdemo.graphs import GRAPHS_ENV
+    from kvdemo.quant.backend import BACKEND_ENV
+
+    os.environ[BACKEND_ENV] = backend.removesuffix("+graphs")
+    os.environ[GRAPHS_ENV] = "1" if backend.endswith("+graphs") else "0"
+    try:
+        runner.run_precision(lm, ids[: 2 * args.group + 8], spec, 4)  # warm-up: compile, allocate, capture
+        _sync(device)
+        gen = runner.run_precision(lm, ids, spec, args.e2e_tokens)
+        _sync(device)
+    finally:
+        os.environ.pop(GRAPHS_ENV, None)
+    return {
+        "tokens": gen.tokens,
+        "new_tokens": len(gen.tokens),
+        "prefill_s": gen.prefill_s,
+        "decode_tok_s": gen.decode_tok_s,
+        "cache_bytes": gen.cache_bytes.get("total"),
+    }
+
+
+def hf_decode(lm, ids: list[int], kind: str, new_tokens: int, device: torch.device) -> dict:
+    """transformers' own greedy decode of the same prompt with its DynamicCache or StaticCache (SDPA attention):
+    the baseline kvdemo's full-precision rows are read against. Decode tokens/s from the difference between a
+    run of `new_tokens` tokens and a run of one (the prefill), each timed after a warm-up."""
+    from transformers import DynamicCache, StaticCache
+
+    from kvdemo.runner import attention_impl
+
+    x = torch.tensor([ids], device=device)
+
+    def run(n: int) -> tuple[float, list[int]]:
+        if kind == "dynamic":
+            cache = DynamicCache(config=lm.config)
+        elif kind == "static":
+            cache = StaticCache(config=lm.config, max_cache_len=len(ids) + n)
+        else:
+            raise ValueError(f"unknown transformers cache {kind!r}; allowed: dynamic, static")
+        _sync(device)
+        t0 = time.perf_counter()
+        out = lm.model.generate(
+            x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        _sync(device)
+        return time.perf_counter() - t0, out[0, len(ids) :].tolist()
+
+    with attention_impl(lm, "sdpa"):
+        run(2)  # warm-up
+        prefill_s, _ = run(1)
+        total_s, tokens = run(new_tokens)
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {
+        "tokens": tokens,
+        "new_tokens": len(tokens),
+        "prefill_s": prefill_s,
+        "decode_tok_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 else 0.0,
+        "cache_bytes": None,
+    }
+
+
+def bench_e2e(device: torch.device, args) -> list[dict]:
     from kvdemo.precision import parse_precision
     from kvdemo.quant.backend import BACKEND_ENV
 
@@ -444,26 +514,15 @@ def bench_e2e(device: torch.device, args) -> list[dict]:
             spec = parse_precision(name if name == "full" else name + suffix)
             tokens_by_backend = {}
             for backend in _names(args.e2e_backends):
-                os.environ[BACKEND_ENV] = backend
-                runner.run_precision(lm, ids[: 2 * args.group + 8], spec, 2)  # warm-up: compile, allocate
-                _sync(device)
-                gen = runner.run_precision(lm, ids, spec, args.e2e_tokens)
-                _sync(device)
-                tokens_by_backend[backend] = gen.tokens
-                rows.append(
-                    {
-                        "model": lm.name,
-                        "source": source,
-                        "dtype": str(lm.dtype).removeprefix("torch."),
-                        "precision": spec.label,
-                        "backend": backend,
-                        "prompt_tokens": len(ids),
-                        "new_tokens": len(gen.tokens),
-                        "prefill_s": gen.prefill_s,
-                        "decode_tok_s": gen.decode_tok_s,
-                        "cache_bytes": gen.cache_bytes.get("total"),
-                    }
-                )
+                if backend.startswith("hf-"):
+                    if spec.is_quantized:
+                        continue
+                    row = hf_decode(lm, ids, backend.removeprefix("hf-"), args.e2e_tokens, device)
+                else:
+                    row = kvdemo_decode(lm, ids, spec, backend, args, device)
+                tokens_by_backend[backend] = row.pop("tokens")
+                base = {"model": lm.name, "source": source, "dtype": str(lm.dtype).removeprefix("torch.")}
+                rows.append(base | {"precision": spec.label, "backend": backend, "prompt_tokens": len(ids)} | row)
             first = next(iter(tokens_by_backend.values()))
             for row in rows[-len(tokens_by_backend) :]:
                 row["same_tokens_across_backends"] = all(t == first for t in tokens_by_backend.values())
@@ -605,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     for r in report.get("e2e", []):
         if "decode_tok_s" in r:
-            print(f"{r['model']:<48} {r['precision']:<14} {r['backend']:>6}: {r['decode_tok_s']:8.1f} tok/s")
+            print(f"{r['model']:<48} {r['precision']:<14} {r['backend']:>13}: {r['decode_tok_s']:8.1f} tok/s")
     for r in report.get("long", []):
         what = f"long {r['tokens']:>8} tokens {r['precision']:<14} {r.get('layers', '?'):>3} layers"
         if "prefill_s" in r:

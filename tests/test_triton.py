@@ -516,7 +516,10 @@ def test_embedded_model_same_greedy_tokens_on_both_backends(lm, monkeypatch):
         runs[backend] = shallow(runner.run_precision, lm, ids, "k8v4:g32:r32:s4", 6, keep_logits=True)
     torch_run, triton_run = runs["torch"], runs["triton"]
     assert len(torch_run.tokens) == 6 and triton_run.tokens == torch_run.tokens
-    assert triton_run.cache_bytes == torch_run.cache_bytes
+    live = lambda run: {k: v for k, v in run.cache_bytes.items() if k != "allocated"}  # noqa: E731
+    assert live(triton_run) == live(torch_run)
+    # the Triton path keeps room for the whole residual window (a decode step's append never moves it)
+    assert triton_run.cache_bytes["allocated"] >= torch_run.cache_bytes["allocated"]
     for a, b in zip(torch_run.logits, triton_run.logits, strict=True):
         assert float((a - b).abs().max()) < 1e-3 * max(1.0, float(a.abs().max()))
 
