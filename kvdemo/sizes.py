@@ -168,7 +168,7 @@ def live_table(lm, report: MemoryReport) -> tuple[str, list[dict]]:
 def basis_note(lm) -> str:
     """One line naming the basis, for captions."""
     name = dtype_name(lm.dtype)
-    ratio = "Every \"x smaller\" is against a 16-bit cache of the same tokens."
+    ratio = 'Every "x smaller" is against a 16-bit cache of the same tokens.'
     if dtype_bits(lm.dtype) == SERVE_BITS:
         return f"Sizes are live bytes: this model runs in {name}, so they are also the 16-bit sizes. {ratio}"
     return (

@@ -84,5 +84,7 @@ def test_homes_range_is_computed_from_the_16_bit_ratios():
     r = sizes.ratios(lm)
     full = sizes.per_token(lm, "full").at16
     assert r == {p: pytest.approx(full / sizes.per_token(lm, p).at16) for p in ("int8", "int4", "int2")}
-    assert sizes.range_text(lm) == f"{r['int8']:.1f}x (int8), {r['int4']:.1f}x (int4) or {r['int2']:.1f}x (int2) smaller"
+    assert (
+        sizes.range_text(lm) == f"{r['int8']:.1f}x (int8), {r['int4']:.1f}x (int4) or {r['int2']:.1f}x (int2) smaller"
+    )
     assert 1 < r["int8"] < r["int4"] < r["int2"] < 8
