@@ -340,7 +340,12 @@ def test_drift_page_runs_on_the_current_document():
 
 
 def test_memory_page_headroom_and_measured_cache():
+    from kvdemo.findings.glossary import GLOSSARY
+
     at = start("app_pages/memory.py")
+    assert any(GLOSSARY["headroom"] in c.value and "Headroom" in c.value for c in at.caption)  # defined where shown
+    (plan,) = [d.value for d in at.dataframe if "max sequences" in d.value.columns]
+    assert "x smaller than 16-bit" in plan.columns and "-" not in list(plan["x smaller than 16-bit"])
     assert len(at.get("plotly_chart")) >= 4  # headroom figures are formulas: drawn at once (+ bench figures)
     assert any(c.value.startswith("Report ") for c in at.caption)  # the bench report: a local run or the shipped one
     assert not at.warning  # the shipped report has the layout this version reads
@@ -620,7 +625,8 @@ def test_needle_repeats_run_each_cell_with_new_needles_and_show_found_rates():
         (0, "full"), (0, "int4"), (1, "full"), (1, "int4")
     ]  # fmt: skip
     summary, answers = (d.value for d in at.dataframe)
-    assert {"found_low", "found_high"} <= set(summary.columns) and list(summary["cells"]) == [2, 2]
+    assert {"found, 95% low", "found, 95% high"} <= set(summary.columns) and list(summary["cells"]) == [2, 2]
+    assert not [c for t in (summary, answers) for c in t.columns if "_" in c]  # readable names, no machine keys
     assert "seed" in answers.columns and sorted(answers["seed"]) == [0, 0, 1, 1]
     assert any(c.value.startswith("int4 against full: found rate ") for c in at.caption)
     heat = json.loads(at.get("plotly_chart")[0].proto.spec)

@@ -546,3 +546,11 @@ def test_shipped_verdicts_come_back_when_judged_again():
         pytest.skip("no shipped report yet")
     again = verdicts.evaluate(copy.deepcopy(shipped))
     assert [c.verdict for c in again] == [c.verdict for c in shipped.claims]
+
+
+def test_headroom_is_defined_in_the_docs_as_on_the_page():
+    from kvdemo.findings.glossary import GLOSSARY
+
+    memory_doc = " ".join((ROOT / "docs" / "memory.md").read_text(encoding="utf-8").split())
+    assert GLOSSARY["headroom"].capitalize().split(":")[0].lower() in memory_doc.lower()
+    assert f"*Headroom*: {GLOSSARY['headroom']}" in memory_doc
