@@ -22,10 +22,10 @@ from kvdemo.figures.memory import (
     headroom_split_figure,
     headroom_stacking_figure,
 )
+from kvdemo.findings.glossary import GLOSSARY
 from kvdemo.measured import compare_measured
 from kvdemo.memory import headroom
 from kvdemo.models import config_from_model
-from kvdemo.findings.glossary import GLOSSARY
 from kvdemo.precision import parse_precision_list
 from kvdemo.results import bench
 
