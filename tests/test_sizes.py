@@ -88,3 +88,23 @@ def test_homes_range_is_computed_from_the_16_bit_ratios():
         sizes.range_text(lm) == f"{r['int8']:.1f}x (int8), {r['int4']:.1f}x (int4) or {r['int2']:.1f}x (int2) smaller"
     )
     assert 1 < r["int8"] < r["int4"] < r["int2"] < 8
+
+
+def test_the_perplexity_tables_ratio_is_on_the_16_bit_basis_and_says_why_it_is_below_the_sidebars():
+    """The shipped ppl report's ratio is a 16-bit cache over the cache at 16 bits (`ppl.run_ppl`), at most the
+    per-token ratio of the quantized region the sidebar shows; the page's note says which tokens it counts."""
+    import json
+    from pathlib import Path
+
+    from kvdemo.layout import bytes_per_token
+    from kvdemo.results.ppl import PplReport, size_note
+
+    report = PplReport.from_json(json.loads((Path(__file__).parent.parent / "assets/reports/ppl.json").read_text()))
+    lm = SimpleNamespace(num_layers=30, kv_heads=3, head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    for row in report.results:
+        per_token = sizes.per_token(lm, row.precision)
+        full = sizes.per_token(lm, "full")
+        assert row.ratio_vs_fp16 <= per_token.times_smaller(full) + 1e-3, row.precision
+        assert bytes_per_token(30, 3, 64, "full", 16) == full.at16
+    note = size_note(report)
+    assert f"{report.results[0].stored_tokens:,} stored tokens" in note and "16-bit basis" in note
