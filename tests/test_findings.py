@@ -427,6 +427,22 @@ def test_cli_parser_has_findings():
         run.parse_shard("2/2")
 
 
+def test_cli_rejudge_writes_the_files_again_from_the_same_measurements(tmp_path):
+    from kvdemo.cli import build_parser
+    from kvdemo.cli.findings import run_cli
+
+    found = fake()
+    found.claims = []  # a report whose claims are missing or stale: judged again, measurements untouched
+    results.save(found, tmp_path / "in")
+    args = build_parser().parse_args(
+        ["findings", "--rejudge", str(tmp_path / "in" / "findings.json"), "--out", str(tmp_path / "out"), "--no-pdf"]
+    )
+    out = run_cli(args)
+    again = results.load(tmp_path / "out")
+    assert again.measurements == results.load(tmp_path / "in").measurements and [c.id for c in again.claims] == [c.id for c in verdicts.CLAIMS]
+    assert set(out["files"]) == {"json", "html"}
+
+
 def test_cli_text_reads_the_claims():
     from kvdemo.cli.findings import format_text
 
@@ -509,7 +525,12 @@ def test_findings_page_renders_the_shipped_report():
     headers = [h.value for h in at.header]
     split = load_kv_split()
     methods = ["KVQuant's methods at 4, 3 and 2 bits"] + (["Keys or values: where the loss sits"] if split else [])
-    assert headers == [c.title for c in verdicts.CLAIMS] + methods
+    assert headers == [c.title for c in verdicts.CLAIMS] + methods + ["Glossary"]
+    from kvdemo.findings import decision
+
+    (box,) = [d.value for d in at.dataframe if {"format", "verdict", "evidence"} <= set(d.value.columns)]
+    assert box.to_dict("records") == decision.rows(decision.decide(results.load()))
+    assert any(b.label == "Download PDF report" for b in at.get("download_button"))  # the shipped PDF fits
     table = _verdict_table(at)  # AppTest finds no dataframe by key: by its columns
     assert list(table["verdict"]) == [c.verdict.word for c in verdicts.evaluate(results.load())]
     ablation = load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
@@ -533,6 +554,9 @@ def test_findings_page_renders_the_shipped_report():
     at.select_slider(key="findings_context").set_value(131072).run()
     assert not at.exception, at.exception
     assert "131,072" in _verdict_table(at)["numbers"].iloc[0]
+    assert any("131,072 tokens per sequence" in m.value for m in at.markdown)  # the config the files carry
+    assert not any(b.label == "Download PDF report" for b in at.get("download_button"))  # not the shipped one
+    assert at.button(key="findings_make_pdf").label.startswith("Make the PDF for this config")
 
 
 def _verdict_table(at):
