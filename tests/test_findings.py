@@ -439,7 +439,9 @@ def test_cli_rejudge_writes_the_files_again_from_the_same_measurements(tmp_path)
     )
     out = run_cli(args)
     again = results.load(tmp_path / "out")
-    assert again.measurements == results.load(tmp_path / "in").measurements and [c.id for c in again.claims] == [c.id for c in verdicts.CLAIMS]
+    assert again.measurements == results.load(tmp_path / "in").measurements and [c.id for c in again.claims] == [
+        c.id for c in verdicts.CLAIMS
+    ]
     assert set(out["files"]) == {"json", "html"}
 
 
