@@ -230,7 +230,8 @@ def spec() -> PrecisionSpec:
 
 
 def _status_card(lm: LoadedModel) -> None:
-    """The model and its KV bytes per token on one basis: live bytes in the model's dtype (kvdemo.sizes)."""
+    """The model and its KV bytes per token: live bytes in the model's dtype, and how many times smaller than a
+    16-bit cache of the same tokens (`kvdemo.sizes.CacheSize.times_smaller`)."""
     from kvdemo import sizes
 
     s = spec()
@@ -248,15 +249,15 @@ def _status_card(lm: LoadedModel) -> None:
         )
         st.markdown(
             f"KV cache per token: full **{full.text(per_token)}**, {s.label} **{quant.text(per_token)}**: "
-            f"**{quant.times_smaller(full):.2f}x smaller** (B/token, live over live)"
+            f"**{quant.times_smaller(full):.2f}x smaller** than a 16-bit cache (B/token)"
         )
         doc = document()
         if doc and s.is_quantized:
             n = doc["tokens"]
             a, b = sizes.prefilled(lm, "full", n), sizes.prefilled(lm, s, n)
             st.caption(
-                f"Your document ({n:,} tokens): full {a.text()}, {s.label} {b.text()}: "
-                f"{b.times_smaller(a):.2f}x smaller (its newest {min(s.residual, n):,} tokens stay full precision)."
+                f"Your document ({n:,} tokens): full {a.text()}, {s.label} {b.text()}: {b.times_smaller(a):.2f}x "
+                f"smaller than at 16 bits (its newest {min(s.residual, n):,} tokens stay full precision)."
             )
         st.caption(sizes.basis_note(lm))
 

@@ -14,7 +14,8 @@ from app_pages import common
 from kvdemo.configs import gpu_presets, model_configs
 from kvdemo.figures.findings import findings_figures
 from kvdemo.figures.ppl import ablation_frontier_figure
-from kvdemo.findings import render, run, verdicts
+from kvdemo.findings import decision, render, run, verdicts
+from kvdemo.findings.glossary import glossary_rows
 from kvdemo.findings.text import FindingsError
 from kvdemo.results import ablation as ablation_results
 from kvdemo.results import findings as results
@@ -93,21 +94,38 @@ st.caption(f"{verdicts.caption(view)} Showing {source} ({found.created}).")
 if found.weights_note:
     st.caption(found.weights_note)
 
+st.markdown(f"**{render.config_line(view, budget)}**")
+decisions = decision.decide(view, config)
+with st.container(border=True, key="findings_decision"):
+    st.subheader("Should I turn it on? For long-context serving of this model")
+    st.markdown(decision.summary(decisions))
+    st.dataframe(pd.DataFrame(decision.rows(decisions)), hide_index=True, key="findings_decision_table")
+    st.caption(f"The rule: {decision.RULE}")
+
 st.dataframe(pd.DataFrame(render.verdict_rows(view)), hide_index=True, key="findings_table", width="stretch")
 
 c1, c2 = st.columns(2)
 c1.download_button("Download HTML report", render.render_html(view), "findings.html", "text/html", key="findings_html")
 pdf_file = results.REPORT_DIR / "findings.pdf"
-if found is shipped and pdf_file.is_file():
+if render.shipped_pdf_fits(view, shipped) and pdf_file.is_file():
     c2.download_button(
         "Download PDF report", pdf_file.read_bytes(), "findings.pdf", "application/pdf", key="findings_pdf"
     )
-elif c2.button("Make the PDF (headless Chromium)", key="findings_make_pdf"):
+elif c2.button("Make the PDF for this config (headless Chromium)", key="findings_make_pdf"):
     pdf = render.pdf_bytes(view)
-    if pdf is None:
-        c2.error("Chromium is not installed (make browser).")
-    else:
+    if pdf is not None:
         c2.download_button("Download PDF report", pdf, "findings.pdf", "application/pdf", key="findings_pdf")
+    else:
+        c2.error("Chromium is not installed (make browser): the PDF cannot be printed for this config here.")
+        if shipped is not None and pdf_file.is_file():
+            c2.download_button(
+                f"Download the shipped PDF instead ({render.config_line(shipped)})",
+                pdf_file.read_bytes(),
+                "findings-shipped.pdf",
+                "application/pdf",
+                key="findings_pdf_shipped",
+            )
+            c2.caption(f"The shipped report of {shipped.model} ({shipped.created}), not the config chosen above.")
 
 for c in view.claims:
     st.header(c.title, divider="gray")
@@ -115,7 +133,7 @@ for c in view.claims:
     st.markdown(f"### :{VERDICT_COLORS[c.verdict.holds]}[{c.verdict.word.capitalize()}]")
     st.markdown(c.verdict.text)
     for i, fig in enumerate(findings_figures(view, c.id)):
-        st.plotly_chart(fig, key=f"findings_fig_{c.id}_{i}")
+        st.plotly_chart(fig, key=f"findings_fig_{c.id}_{i}", config=render.FIGURE_CONFIG)
     production = c.data.get("tradeoff", {}).get("production") if c.id == "tradeoff" else None
     if production:
         st.markdown("**Production settings of the pick**")
@@ -132,7 +150,7 @@ if ablation is not None:
         "is judged twice: on this text's figures, and over 2,000 resamples of the text in blocks of 64 tokens. "
         "'Not settled by this text' means the difference could go either way on text like it."
     )
-    st.plotly_chart(ablation_frontier_figure(ablation), key="findings_ablation_fig")
+    st.plotly_chart(ablation_frontier_figure(ablation), key="findings_ablation_fig", config=render.FIGURE_CONFIG)
     st.dataframe(pd.DataFrame(ablation_results.claim_rows(ablation)), hide_index=True, key="findings_ablation_claims")
     st.markdown("What the formats cost: the live cache at 4,096 tokens (to the byte) and decode speed, one run.")
     st.dataframe(pd.DataFrame(ablation_results.cost_rows(ablation)), hide_index=True, key="findings_ablation_costs")
@@ -163,3 +181,6 @@ if split is not None:
         f"Measured with `{split.ppl.command}` on {split.ppl.date} (assets/reports/ppl_kv_split.json), CPU, fp32; "
         "docs/methods.md's 'Keys or values: where the loss sits' has the reading."
     )
+
+st.header("Glossary", divider="gray")
+st.dataframe(pd.DataFrame(glossary_rows()), hide_index=True, key="findings_glossary", width="stretch")

@@ -1,5 +1,6 @@
-"""Home: what KV-cache quantization is, with one live number (KV bytes per token at the chosen precision,
-on the basis `kvdemo.sizes` states), and how to load a stronger model and which sizes fit this machine."""
+"""Home: what KV-cache quantization is, with live numbers (KV bytes per token at the chosen precision and how
+many times smaller than a 16-bit cache, on the basis `kvdemo.sizes` states), and how to load a stronger model
+and which sizes fit this machine."""
 
 import pandas as pd
 import streamlit as st
@@ -17,11 +18,12 @@ dtype = sizes.dtype_name(lm.dtype)
 
 st.title("kvdemo: what KV-cache quantization buys and costs")
 st.markdown(
-    """
+    f"""
 A transformer keeps the **keys and values** of every token it has read (the *KV cache*) so that each new
 token attends over them without recomputing the past. The cache grows with the context: for long
 documents and many users it, not the weights, fills the GPU. Storing it in 8, 4 or 2 bits instead of 16
-makes it 2-7x smaller, and the question is what that costs in answers.
+makes it {sizes.range_text(lm)} than a 16-bit cache on this model (bytes per token: codes plus their
+16-bit scales), and the question is what that costs in answers.
 
 Here the cache stores keys **per channel** (groups of tokens, as KIVI and KVQuant do: keys have outlier
 channels) and values **per token**, keeps the newest tokens (the *residual* window) and the first
@@ -33,10 +35,11 @@ c1.metric(f"KV bytes/token, full ({dtype})", f"{full.live:,.0f} B", help=f"{full
 c2.metric(
     f"KV bytes/token at {spec.label}",
     f"{quant.live:,.0f} B",
-    delta=f"{quant.times_smaller(full):.2f}x smaller",
+    delta=f"{quant.times_smaller(full):.2f}x smaller than 16-bit",
     delta_color="off",
     help=f"{bits['key']:.2f} bits per key element, {bits['value']:.2f} per value element (codes + 16-bit "
-    "scales/zeros), in the quantized region; the residual window and sinks stay full precision",
+    f"scales/zeros), in the quantized region; the residual window and sinks stay full precision. Against a "
+    f"16-bit cache ({full.at16:,.0f} B/token)",
 )
 c3.metric(
     f"A full context, full precision ({dtype})",

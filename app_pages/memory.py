@@ -22,6 +22,7 @@ from kvdemo.figures.memory import (
     headroom_split_figure,
     headroom_stacking_figure,
 )
+from kvdemo.findings.glossary import GLOSSARY
 from kvdemo.measured import compare_measured
 from kvdemo.memory import headroom
 from kvdemo.models import config_from_model
@@ -36,6 +37,7 @@ DEFAULT_PRECISIONS = ["full", "fp8", "int8", "k8v4", "int4", "int2"]
 lm = common.model()
 spec = common.spec()
 st.title("Memory & headroom")
+st.caption(f"**Headroom**: {GLOSSARY['headroom']}")
 st.page_link(
     "app_pages/findings.py",
     label="Findings, claims 1, 6, 7: capacity, stacking, the trade-off",

@@ -10,6 +10,7 @@ from app_pages import common
 from kvdemo import needle, prefill_modes, progress
 from kvdemo.figures.needle import FULL_MISSED, needle_difference_figure, needle_heatmap_figure, needle_logprob_figure
 from kvdemo.needle import KINDS, MAX_REPEATS, NeedleError, parse_numbers
+from kvdemo.results.labels import label, readable
 from kvdemo.results.needle import (
     NeedleGrid,
     NeedleRow,
@@ -177,9 +178,9 @@ def show(grid: NeedleGrid, key: str = "needle") -> None:
             "log p(true answer) instead, or load a stronger model (sidebar).",
             icon=":material/info:",
         )
-    found = {"accuracy": "found", "found_low": "found, 95% low", "found_high": "found, 95% high"}
-    percent = {c: st.column_config.NumberColumn(label, format="percent") for c, label in found.items()}
-    st.dataframe(pd.DataFrame(grid.summary), hide_index=True, key=f"{key}_summary", column_config=percent)
+    found = [label(c) for c in ("accuracy", "found_low", "found_high")]
+    percent = {c: st.column_config.NumberColumn(c, format="percent") for c in found}
+    st.dataframe(pd.DataFrame(readable(grid.summary)), hide_index=True, key=f"{key}_summary", column_config=percent)
     if grid.runs_per_cell > 1:  # found rates against full precision, paired on the same needles
         for d in differences_from_full(grid.rows):
             st.caption(difference_line(d))
@@ -191,7 +192,8 @@ def show(grid: NeedleGrid, key: str = "needle") -> None:
     st.markdown("**Answers**")
     columns = ["length", "depth", "precision", "correct", "answer", "expected", "answer_logprob", "depth_actual"]
     columns += ["prompt_tokens"] + (["seed"] if grid.runs_per_cell > 1 else [])
-    st.dataframe(pd.DataFrame([r.to_json() for r in grid.rows])[columns], hide_index=True, key=f"{key}_answers")
+    answers = pd.DataFrame([r.to_json() for r in grid.rows])[columns].rename(columns=label)
+    st.dataframe(answers, hide_index=True, key=f"{key}_answers")
     c1, c2 = st.columns(2)
     name = "needle" if key == "needle" else "needle-partial"
     c1.download_button("Download CSV", grid_csv(grid), f"{name}.csv", "text/csv", key=f"{key}_csv")

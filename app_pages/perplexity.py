@@ -13,7 +13,7 @@ from app_pages import common
 from kvdemo import ppl, progress
 from kvdemo.documents import token_ids
 from kvdemo.figures.ppl import ppl_frontier_figure
-from kvdemo.results.ppl import HELD_OUT_NAME, PplRow, interval_note, result_rows
+from kvdemo.results.ppl import HELD_OUT_NAME, PplRow, interval_note, result_rows, size_note
 
 lm = common.model()
 st.title("Perplexity")
@@ -92,6 +92,7 @@ st.subheader(f"{out.text_name}: tokens {lo:,} to {hi:,} scored")
 table = pd.DataFrame(result_rows(out.results))
 st.dataframe(table, hide_index=True, key="ppl_table")
 st.caption(interval_note(out))
+st.caption(size_note(out))
 if len(out.results) > 1:
     st.plotly_chart(ppl_frontier_figure(out), key="ppl_frontier")
 if out.codebooks is not None:

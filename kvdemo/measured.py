@@ -46,6 +46,7 @@ from .precision import PrecisionSpec, parse_precision
 from .progress import ProgressFn, StopFn, Tracker
 from .results.measured import BatchSpeed, CacheMeasurement, HeadroomRow, MeasuredHeadroom, MemoryReport, PrefillRow
 from .runner import PREFILL_CHUNK, new_cache, prefill
+from .sizes import from_nbytes
 
 SCALE_MODEL = {
     "name": "small-llama",
@@ -280,7 +281,7 @@ def measure_memory(lm: LoadedModel, ids: Sequence[int], specs: Sequence[Precisio
                 precision=spec.label,
                 bytes=nb["total"],
                 bytes_fp16=fp16,
-                ratio_vs_fp16=round(fp16 / nb["total"], 4),
+                ratio_vs_fp16=round(fp16 / from_nbytes(nb, lm.dtype).at16, 4),  # 16-bit basis on any dtype
                 bits_per_element=round(bits["mean"], 4),
                 bytes_per_token=round(nb["total"] / tokens, 1),
                 breakdown={

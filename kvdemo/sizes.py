@@ -1,11 +1,11 @@
 """Cache sizes on one stated basis, and which models fit this machine.
 
-Basis: the live bytes, as the cache stores them: codes and 16-bit scales for the quantized region, and
-every full-precision part (a full cache, sinks, the residual window) in the model's own dtype, which is
-float32 on CPU. Each size names that dtype and gives its 16-bit equivalent (the same cache with its
-full-precision parts at 16 bits, as a GPU would serve it), and every ratio divides live bytes by live
-bytes, so the sidebar, Home, Chat and Memory pages agree. (The headroom planner is a deployment plan
-and stays at 16 bits throughout, as it says.)
+Sizes: the live bytes, as the cache stores them (codes and 16-bit scales for the quantized region, every
+full-precision part: a full cache, sinks, the residual window, in the model's own dtype, float32 on CPU),
+labelled with that dtype, beside their 16-bit equivalent (the same cache with its full-precision parts at
+16 bits, as a GPU serves it). Ratios: one basis everywhere, a 16-bit cache of the same tokens: "x smaller"
+is a full-precision 16-bit cache over this cache at 16 bits (`CacheSize.times_smaller`), so the sidebar,
+Home, Memory, the headroom planner and the reports' "vs fp16" columns say the same thing, on CPU as on GPU.
 
 `machine_memory` and `models_that_fit` answer "which reference models (assets/model_configs) fit here,
 at each KV precision" with `kvdemo.memory.headroom` on this machine's memory.
@@ -28,6 +28,7 @@ GB = 10**9
 SERVE_BITS = 16
 FIT_PRECISIONS = ("full", "int8", "int4", "int2")
 FIT_CONTEXT = 8192  # tokens: the context a model must hold to count as fitting (capped at its own context)
+RANGE_PRECISIONS = ("int8", "int4", "int2")  # Home's "8, 4 or 2 bits instead of 16"
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -44,7 +45,7 @@ def mib(n: float) -> str:
 
 @dataclass(frozen=True)
 class CacheSize:
-    """One cache (or one token of it) on the stated basis."""
+    """One cache (or one token of it): its live bytes and the same at 16 bits."""
 
     live: float  # bytes as stored: codes + scales, full-precision parts in `dtype`
     at16: float  # the same with its full-precision parts at 16 bits
@@ -58,9 +59,10 @@ class CacheSize:
             return f"{fmt(self.live)} live ({self.dtype})"
         return f"{fmt(self.live)} live (the same at 16 bits)"  # codes and 16-bit scales only
 
-    def times_smaller(self, other: CacheSize) -> float:
-        """How many times smaller than `other` this cache is, live bytes over live bytes."""
-        return other.live / self.live if self.live else float("inf")
+    def times_smaller(self, full: CacheSize) -> float:
+        """How many times smaller than a 16-bit cache of the same tokens this cache is: `full` (the same tokens
+        at full precision) at 16 bits over this cache at 16 bits, whatever dtype the model runs in."""
+        return full.at16 / self.at16 if self.at16 else float("inf")
 
 
 def from_nbytes(nbytes: dict, dtype: torch.dtype) -> CacheSize:
@@ -114,6 +116,20 @@ def prefilled(lm, spec: PrecisionSpec | str, tokens: int) -> CacheSize:
     return CacheSize(q.live * coded + full.live * exact, q.at16 * coded + full.at16 * exact, full.dtype)
 
 
+def ratios(lm, precisions: tuple[str, ...] = RANGE_PRECISIONS) -> dict[str, float]:
+    """Per precision, how many times smaller one token's K + V is than at 16 bits, in the quantized region
+    (codes and their 16-bit scales): e.g. {"int8": 1.91, "int4": 3.66, "int2": 6.74} for the embedded model."""
+    full = per_token(lm, "full")
+    return {p: per_token(lm, p).times_smaller(full) for p in precisions}
+
+
+def range_text(lm, precisions: tuple[str, ...] = RANGE_PRECISIONS) -> str:
+    """Home's promise, from `ratios`: e.g. "1.9x (int8), 3.7x (int4) or 6.7x (int2) smaller"."""
+    r = ratios(lm, precisions)
+    parts = [f"{r[p]:.1f}x ({p})" for p in precisions]
+    return (", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]) + " smaller"
+
+
 def cache_caption(lm, precision: str, live_bytes: int, tokens: int) -> str:
     """E.g. "cache 48.9 MiB live (float32) = 24.5 MiB at 16 bits for 1,113 tokens": a chat answer's cache."""
     return f"cache {of_cache(lm, precision, live_bytes, tokens).text()} for {tokens:,} tokens"
@@ -121,22 +137,23 @@ def cache_caption(lm, precision: str, live_bytes: int, tokens: int) -> str:
 
 def live_table(lm, report: MemoryReport) -> tuple[str, list[dict]]:
     """The Memory page's measured caches (`kvdemo.measured.compare_measured`'s report): a caption naming the basis
-    and the full cache they are compared with, and one row per precision: live MiB, at 16 bits, x smaller than
-    full (live over live), the formula, live vs formula, bytes/token, bits/element and the residual window."""
+    and the 16-bit cache they are compared with, and one row per precision: live MiB, at 16 bits, x smaller than
+    a 16-bit cache of the same tokens, the formula, live vs formula, bytes/token, bits/element and the residual
+    window."""
     dtype = getattr(torch, report.dtype)
     live = {r.precision: from_nbytes(r.breakdown, dtype) for r in report.results}
-    full = live.get("full") or prefilled(lm, "full", report.tokens)
+    full = prefilled(lm, "full", report.tokens)
     caption = (
         f"{report.tokens:,} tokens. Live bytes in {report.dtype} (full-precision parts: a full cache, "
         "sinks, the residual window), beside the same cache with those parts at 16 bits; "
-        f"x smaller: live over live, against a full {report.dtype} cache of the same tokens ({full.text()})."
+        f"x smaller: against a 16-bit cache of the same tokens ({mib(full.at16)}), each cache at 16 bits."
     )
     rows = [
         {
             "precision": r.precision,
             f"live MiB ({report.dtype})": r.bytes / MIB,
             "at 16 bits, MiB": live[r.precision].at16 / MIB,
-            "x smaller than full (live)": round(live[r.precision].times_smaller(full), 2),
+            "x smaller than 16-bit": round(live[r.precision].times_smaller(full), 2),
             "formula MiB": r.formula_bytes / MIB,
             "live vs formula": f"{100 * r.error_vs_formula:+.3f}%",
             "bytes/token": r.bytes_per_token,
@@ -151,12 +168,13 @@ def live_table(lm, report: MemoryReport) -> tuple[str, list[dict]]:
 def basis_note(lm) -> str:
     """One line naming the basis, for captions."""
     name = dtype_name(lm.dtype)
+    ratio = 'Every "x smaller" is against a 16-bit cache of the same tokens.'
     if dtype_bits(lm.dtype) == SERVE_BITS:
-        return f"Sizes are live bytes: this model runs in {name}, so they are also the 16-bit sizes."
+        return f"Sizes are live bytes: this model runs in {name}, so they are also the 16-bit sizes. {ratio}"
     return (
         f"Sizes are live bytes: this model runs in {name} on {lm.device.type}, so full-precision parts (a full "
         f"cache, sinks, the residual window) take {dtype_bits(lm.dtype)} bits; each size also gives its 16-bit "
-        "equivalent, and every ratio is live over live."
+        f"equivalent. {ratio}"
     )
 
 

@@ -340,7 +340,12 @@ def test_drift_page_runs_on_the_current_document():
 
 
 def test_memory_page_headroom_and_measured_cache():
+    from kvdemo.findings.glossary import GLOSSARY
+
     at = start("app_pages/memory.py")
+    assert any(GLOSSARY["headroom"] in c.value and "Headroom" in c.value for c in at.caption)  # defined where shown
+    (plan,) = [d.value for d in at.dataframe if "max sequences" in d.value.columns]
+    assert "x smaller than 16-bit" in plan.columns and "-" not in list(plan["x smaller than 16-bit"])
     assert len(at.get("plotly_chart")) >= 4  # headroom figures are formulas: drawn at once (+ bench figures)
     assert any(c.value.startswith("Report ") for c in at.caption)  # the bench report: a local run or the shipped one
     assert not at.warning  # the shipped report has the layout this version reads
@@ -406,12 +411,31 @@ def test_four_sessions_at_once_queue_and_never_see_each_other():
 # --- one basis for sizes, stronger models, partial needle grids, measured time hints ------------------
 def test_every_size_is_live_bytes_with_its_16_bit_equivalent_and_ratios_agree():
     """Home, the sidebar and the chat captions all state live bytes in the model's dtype (float32 on CPU)
-    with the 16-bit equivalent, and their ratios are live over live."""
+    with the 16-bit equivalent, and every ratio they show is against a 16-bit cache of the same tokens:
+    bytes_16bit / bytes_format from kvdemo.sizes."""
+    from kvdemo import sizes
+
     at = start()
+    lm = app_model()
+    full16 = sizes.per_token(lm, "full").at16
+
+    def want(precision: str) -> float:
+        return full16 / sizes.per_token(lm, precision).at16
+
     metric = next(m for m in at.metric if m.label == "KV bytes/token at int4")
-    assert metric.value == "6,300 B" and "7.31x smaller" in metric.delta  # 46,080 / 6,300, both live
+    assert metric.value == "6,300 B" and f"{want('int4'):.2f}x smaller than 16-bit" in metric.delta
+    assert "3.66x" in metric.delta  # 23,040 / 6,300, both at 16 bits (not 46,080 float32 / 6,300 = 7.31x)
+    home = " ".join(m.value for m in at.markdown)
+    shown = dict((p, float(x)) for x, p in re.findall(r"(\d+\.\d+)x \((int\d)\)", home))
+    assert shown.keys() == {"int8", "int4", "int2"}, home
+    assert all(x == round(want(p), 1) for p, x in shown.items()), shown
+    assert "2-7x" not in home
     card = " ".join(m.value for m in at.sidebar.markdown)
-    assert "46,080 B live (float32) = 23,040 B at 16 bits" in card and "7.31x smaller" in card
+    assert "46,080 B live (float32) = 23,040 B at 16 bits" in card
+    assert re.findall(r"(\d+\.\d+)x smaller", card) == [f"{want('int4'):.2f}"], card
+    at.sidebar.selectbox(key="kv_preset").set_value("int2").run()
+    card = " ".join(m.value for m in at.sidebar.markdown)
+    assert re.findall(r"(\d+\.\d+)x smaller", card) == [f"{want('int2'):.2f}"], card
     at = chat_app()
     ask(at, "When is the budget review?")
     full, int4 = [c.value for c in at.caption if "cache " in c.value and " live (float32)" in c.value]
@@ -601,7 +625,8 @@ def test_needle_repeats_run_each_cell_with_new_needles_and_show_found_rates():
         (0, "full"), (0, "int4"), (1, "full"), (1, "int4")
     ]  # fmt: skip
     summary, answers = (d.value for d in at.dataframe)
-    assert {"found_low", "found_high"} <= set(summary.columns) and list(summary["cells"]) == [2, 2]
+    assert {"found, 95% low", "found, 95% high"} <= set(summary.columns) and list(summary["cells"]) == [2, 2]
+    assert not [c for t in (summary, answers) for c in t.columns if "_" in c]  # readable names, no machine keys
     assert "seed" in answers.columns and sorted(answers["seed"]) == [0, 0, 1, 1]
     assert any(c.value.startswith("int4 against full: found rate ") for c in at.caption)
     heat = json.loads(at.get("plotly_chart")[0].proto.spec)

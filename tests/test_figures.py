@@ -170,3 +170,53 @@ def test_ablation_frontier_reads_back_every_cell_of_the_shipped_report():
         "int4:hadamard",
     ]
     assert costs[-1]["bits/element"] is None and costs[-1]["decode vs int4"] == report.decode.results[-2].vs_first
+
+
+# --- one palette, plain log ticks, readable column names ----------------------------------------------
+def _drift_report():
+    import json
+
+    from kvdemo.results.drift import DriftReport
+
+    path = Path(__file__).resolve().parent.parent / "assets" / "reports" / "drift.json"
+    return DriftReport.from_json(json.loads(path.read_text()))
+
+
+def test_drift_figures_give_each_format_its_own_colour_from_the_one_palette():
+    from kvdemo.figures import PALETTE, format_colors
+    from kvdemo.figures.drift import drift_layer_figure, drift_logit_kl_figure, drift_position_figure
+
+    report = _drift_report()
+    labels = [r.precision for r in report.results]
+    assert {"int2", "int8"} <= set(labels)
+    for make in (drift_layer_figure, drift_logit_kl_figure, drift_position_figure):
+        colors = {t.name: t.line.color for t in make(report).data}
+        assert len(set(colors.values())) == len(colors) == len(labels), colors  # int2 and int8 apart
+        assert set(colors.values()) <= set(PALETTE) and colors["int2"] != colors["int8"]
+    # a preset keeps its colour across charts; variants take free colours, never a preset's of the same chart
+    a, b = format_colors(["int8", "int2"]), format_colors(["int2", "int4:s4", "int4", "int8"])
+    assert a["int2"] == b["int2"] and a["int8"] == b["int8"]
+    assert len(set(b.values())) == 4
+
+
+def test_log_axes_use_powers_of_ten_never_si_prefixes():
+    from kvdemo.figures.drift import drift_layer_figure, drift_logit_kl_figure, drift_position_figure
+
+    report = _drift_report()
+    figures = [drift_layer_figure(report), drift_logit_kl_figure(report), drift_position_figure(report)]
+    shipped = ablation.load_ablation()
+    if shipped is not None:
+        figures.append(ablation_frontier_figure(shipped))
+    for fig in figures:
+        logs = [ax for ax in (fig.layout.xaxis, fig.layout.yaxis) if ax.type == "log"]
+        assert logs and all(ax.exponentformat == "power" for ax in logs), fig.layout.title.text
+
+
+def test_page_tables_show_readable_column_names():
+    from kvdemo.results.labels import label, readable
+    from kvdemo.results.needle import summarize
+
+    rows = readable(summarize(_rows()))
+    assert "mean log p(answer)" in rows[0] and "found, 95% low" in rows[0]
+    assert not [k for r in rows for k in r if "_" in k]
+    assert label("precision") == "precision" and label("answer_logprob") == "log p(answer)"

@@ -113,6 +113,51 @@ def test_long_range_verdict_flips_with_the_numbers():
     assert flat.holds is False
 
 
+def _needle_ramp(found: Findings, label: str, deltas: list[float]) -> Findings:
+    """`found` with `label`'s needle answers moved to full's log-prob plus `deltas` (one per prompt length)."""
+    full = {(n.length, n.key): n.logprob for n in found.run_of("full").needles}
+    by_length = dict(zip(LENGTHS, deltas, strict=True))
+    run_ = found.run_of(label)
+    run_.needles = [replace(n, logprob=full[(n.length, n.key)] + by_length[n.length]) for n in run_.needles]
+    return found
+
+
+def test_long_range_does_not_hold_when_a_measure_improves_with_length():
+    """The shipped int4 case: NLL loss grows past the threshold at the end, but the needle answers get better
+    with length (-0.14 nats at 512 tokens, +0.40 at 8000): the numbers do not say loss grows with context."""
+    found = _needle_ramp(fake({"int4": (0.004, 0.03)}), "int4", [-0.14, 0.1, 0.40])
+    verdict = judge(found)["long_range"]
+    assert verdict.holds is False
+    assert "Mixed, so not counted: int4" in verdict.text and "needle log p improves with length" in verdict.text
+    (row,) = [r for r in verdicts.verdict_long_range(found)[1]["rows"] if r["precision"] == "int4"]
+    assert row["long_fail"] and row["improves_with_length"] == ["needle log p"] and not row["holds"]
+    # the opposite case: the needle answers get worse with length too, so the claim holds for int4
+    worse = _needle_ramp(fake({"int4": (0.004, 0.03)}), "int4", [-0.14, -0.4, -0.9])
+    verdict = judge(worse)["long_range"]
+    assert verdict.holds is True and "degrades for int4" in verdict.text and "Mixed" not in verdict.text
+
+
+def test_decision_box_words_follow_the_rule_and_the_numbers():
+    """safe / recommended / risky / breaks from the numbers: int4 over the NLL budget at the end is risky,
+    the same int4 within it saves the most memory and is recommended; fp8 and int8 pass either way."""
+    from kvdemo.findings import decision
+
+    broken = {p: (0.2, 0.3) for p in verdicts.default_precisions()}
+    ok = {"fp8": (0.001, 0.002), "int8": (0.001, 0.002)}
+    words = {d.precision: d for d in decision.decide(fake(broken | ok | {"int4": (0.004, 0.03)}))}
+    assert words["int4"].word == "risky" and "+0.0300 > the 0.01" in words["int4"].why
+    assert words["fp8"].word == "recommended" and words["int8"].word == "safe"  # fp8 saves a little more
+    assert words["int2"].word == "breaks" and all(":" not in p for p in words)
+    assert "+0.0300 at the end" in words["int4"].evidence() and "3.66x smaller than 16-bit" in words["int4"].evidence()
+    words = {d.precision: d.word for d in decision.decide(fake(broken | ok | {"int4": (0.001, 0.002)}))}
+    assert words["int4"] == "recommended" and words["fp8"] == words["int8"] == "safe"
+    # the needle checks: answers that lose log-prob at the longest prompt make a format risky
+    lost = _needle_ramp(fake(broken | ok | {"int4": (0.001, 0.002)}), "int4", [0.0, -0.2, -0.6])
+    (d,) = [d for d in decision.decide(lost) if d.precision == "int4"]
+    assert d.word == "risky" and "needle log p -0.60" in d.why
+    assert decision.summary(decision.decide(lost)).startswith("recommended: fp8 · safe: int8 · risky: int4")
+
+
 def test_axis_sinks_and_tradeoff_follow_the_numbers():
     good = fake({"int4:ktoken": (0.05, 0.05), "int2:ktoken": (0.5, 0.5), "int2": (0.3, 0.3), "int2:s4": (0.1, 0.1)})
     bad = fake({"int4": (0.05, 0.05), "int2": (0.5, 0.5), "int2:ktoken": (0.3, 0.3), "int2:s4": (0.5, 0.5)})
@@ -234,14 +279,102 @@ def test_docs_verdict_table_matches_the_shipped_report():
         assert f"| {row['claim']} | {row['verdict']} | {row['numbers']} |" in page, row["claim"]
 
 
+def test_docs_carry_the_decision_rule_its_shipped_words_and_the_glossary():
+    from kvdemo.findings import decision
+    from kvdemo.findings.glossary import GLOSSARY
+
+    shipped = results.load()
+    if shipped is None:
+        pytest.skip("no shipped report yet")
+    page = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+    decisions = decision.decide(shipped)
+    assert f"On the shipped report (the same files and command as below): {decision.summary(decisions)}." in page
+    for row in decision.rows(decisions):
+        assert f"| {row['format']} | {row['verdict']} | {row['why']} | {row['evidence']} |" in page
+    assert f"over {decision.BREAKS_NLL_NATS} nats/token" in page
+    for term, meaning in GLOSSARY.items():
+        assert f"| {term} | {meaning} |" in page
+
+
 # --- files ------------------------------------------------------------------------------------------------
 
 
 def test_html_is_standalone():
     html = render.render_html(fake())
-    assert html.count("<section") == len(verdicts.CLAIMS)
+    assert html.count("<section") == len(verdicts.CLAIMS) + 1 + (load_ablation() is not None) + (
+        load_kv_split() is not None
+    )  # the claims, KVQuant's methods and keys vs values when shipped, the glossary
     assert "Plotly.newPlot" in html
     assert not re.search(r"<(script|link|img)[^>]+(src|href)=[\"']?https?:", html)  # nothing loaded from a network
+
+
+def test_html_carries_what_the_page_shows_for_the_chosen_config_without_toolbars():
+    """The HTML names the chosen config, has the decision box, the pick's production settings, KVQuant's
+    methods, keys vs values and the glossary; no plotly toolbar on screen or in print."""
+    from kvdemo.findings import decision
+    from kvdemo.findings.glossary import GLOSSARY
+
+    config = results.capacity_config("llama-3.1-70b", "h100-80gb", 2, 32768)
+    found = fake()
+    html = render.render_html(found, config)
+    assert "Capacity and the recommendation for llama-3.1-70b on 2 x h100-80gb, 32,768 tokens" in html
+    assert decision.summary(decision.decide(found, config)) in html and "Should I turn it on?" in html
+    assert "Production settings of the pick" in html
+    if load_ablation() is not None:
+        assert "KVQuant's methods at 4, 3 and 2 bits" in html
+    if load_kv_split() is not None:
+        assert "Keys or values: where the loss sits" in html
+    assert all(term in html for term in GLOSSARY)
+    assert '"displayModeBar": false' in html and '"displayModeBar": true' not in html
+    assert re.search(r"@media print \{[^}]*\}[^@]*\.modebar[^}]*display: none", html)
+    assert render.config_line(verdicts.judged(found)) not in html  # the default config is not what it says
+
+
+def test_the_shipped_pdf_is_offered_only_for_the_shipped_config_and_budget():
+    shipped = results.load()
+    if shipped is None:
+        pytest.skip("no shipped report yet")
+    assert render.shipped_pdf_fits(verdicts.judged(shipped, results.DEFAULT_CONFIG), shipped)
+    other = results.capacity_config("llama-3.1-70b", "h100-80gb", 2, 32768)
+    assert not render.shipped_pdf_fits(verdicts.judged(shipped, other), shipped)
+    assert not render.shipped_pdf_fits(verdicts.judged(shipped, None, 0.05), shipped)  # another budget
+    assert not render.shipped_pdf_fits(fake(), shipped)
+
+
+@pytest.mark.browser
+def test_pdf_for_another_config_differs_from_the_shipped_one_and_names_it():
+    from pypdf import PdfReader
+
+    shipped = results.load()
+    if shipped is None or render.chromium() is None:
+        pytest.skip("no shipped report or no chromium")
+    other = verdicts.judged(shipped, results.capacity_config("llama-3.1-70b", "h100-80gb", 2, 32768))
+    pdf = render.pdf_bytes(other)
+    assert pdf is not None and pdf != (results.REPORT_DIR / "findings.pdf").read_bytes()
+    import io
+
+    text = " ".join(page.extract_text() for page in PdfReader(io.BytesIO(pdf)).pages)
+    assert "llama-3.1-70b on 2 x h100-80gb" in text and "Should I turn it on?" in text and "Glossary" in text
+
+
+def test_claim_7_labels_do_not_overlap_and_stay_in_the_plot():
+    """The trade-off chart's labels are annotations placed apart (near-coincident points: fp8 / fp8-e5m2 /
+    int8 at ~1.9x, k8v4 / k4v8 at ~2.6x), on the shipped report and on a fake one."""
+    from kvdemo.figures.findings import PLOT_PX, _overlap, findings_tradeoff_figure, label_boxes
+
+    for found in filter(None, (results.load(), fake())):
+        fig = findings_tradeoff_figure(found)
+        assert fig.data[0].mode == "markers"  # no text printed at the points themselves
+        labels = [a for a in fig.layout.annotations if a.name == "label"]
+        assert sorted(a.text for a in labels) == sorted(
+            p["precision"] for p in found.claim("tradeoff").data["tradeoff"]["points"]
+        )
+        boxes = label_boxes(
+            [a.x for a in labels], [a.y for a in labels], [a.text for a in labels], [(a.ax, a.ay) for a in labels],
+            list(fig.layout.xaxis.range), list(fig.layout.yaxis.range),
+        )  # fmt: skip
+        assert not [(i, j) for i in range(len(boxes)) for j in range(i) if _overlap(boxes[i], boxes[j])]
+        assert all(b[0] >= 0 and b[1] >= 0 and b[2] <= PLOT_PX[0] and b[3] <= PLOT_PX[1] for b in boxes)
 
 
 @pytest.mark.browser
@@ -292,6 +425,24 @@ def test_cli_parser_has_findings():
     assert run.parse_shard(args.shard) == (1, 2)
     with pytest.raises(ValueError, match="0 <= k < N"):
         run.parse_shard("2/2")
+
+
+def test_cli_rejudge_writes_the_files_again_from_the_same_measurements(tmp_path):
+    from kvdemo.cli import build_parser
+    from kvdemo.cli.findings import run_cli
+
+    found = fake()
+    found.claims = []  # a report whose claims are missing or stale: judged again, measurements untouched
+    results.save(found, tmp_path / "in")
+    args = build_parser().parse_args(
+        ["findings", "--rejudge", str(tmp_path / "in" / "findings.json"), "--out", str(tmp_path / "out"), "--no-pdf"]
+    )
+    out = run_cli(args)
+    again = results.load(tmp_path / "out")
+    assert again.measurements == results.load(tmp_path / "in").measurements and [c.id for c in again.claims] == [
+        c.id for c in verdicts.CLAIMS
+    ]
+    assert set(out["files"]) == {"json", "html"}
 
 
 def test_cli_text_reads_the_claims():
@@ -376,7 +527,12 @@ def test_findings_page_renders_the_shipped_report():
     headers = [h.value for h in at.header]
     split = load_kv_split()
     methods = ["KVQuant's methods at 4, 3 and 2 bits"] + (["Keys or values: where the loss sits"] if split else [])
-    assert headers == [c.title for c in verdicts.CLAIMS] + methods
+    assert headers == [c.title for c in verdicts.CLAIMS] + methods + ["Glossary"]
+    from kvdemo.findings import decision
+
+    (box,) = [d.value for d in at.dataframe if {"format", "verdict", "evidence"} <= set(d.value.columns)]
+    assert box.to_dict("records") == decision.rows(decision.decide(results.load()))
+    assert any(b.label == "Download PDF report" for b in at.get("download_button"))  # the shipped PDF fits
     table = _verdict_table(at)  # AppTest finds no dataframe by key: by its columns
     assert list(table["verdict"]) == [c.verdict.word for c in verdicts.evaluate(results.load())]
     ablation = load_ablation()  # the methods section: the shipped ablation's claims and their two verdicts
@@ -400,6 +556,9 @@ def test_findings_page_renders_the_shipped_report():
     at.select_slider(key="findings_context").set_value(131072).run()
     assert not at.exception, at.exception
     assert "131,072" in _verdict_table(at)["numbers"].iloc[0]
+    assert any("131,072 tokens per sequence" in m.value for m in at.markdown)  # the config the files carry
+    assert not any(b.label == "Download PDF report" for b in at.get("download_button"))  # not the shipped one
+    assert at.button(key="findings_make_pdf").label.startswith("Make the PDF for this config")
 
 
 def _verdict_table(at):
@@ -413,3 +572,11 @@ def test_shipped_verdicts_come_back_when_judged_again():
         pytest.skip("no shipped report yet")
     again = verdicts.evaluate(copy.deepcopy(shipped))
     assert [c.verdict for c in again] == [c.verdict for c in shipped.claims]
+
+
+def test_headroom_is_defined_in_the_docs_as_on_the_page():
+    from kvdemo.findings.glossary import GLOSSARY
+
+    memory_doc = " ".join((ROOT / "docs" / "memory.md").read_text(encoding="utf-8").split())
+    assert GLOSSARY["headroom"].capitalize().split(":")[0].lower() in memory_doc.lower()
+    assert f"*Headroom*: {GLOSSARY['headroom']}" in memory_doc

@@ -176,6 +176,11 @@ def test_a_sequence_too_long_for_16_bit_fits_quantized():
     assert _by(out, "max_sequences")["full"] == 0 and "one 131,072-token sequence needs" in _by(out, "reason")["full"]
     assert _by(out, "max_sequences")["int4"] >= 1 and _by(out, "reason")["int4"] is None
     assert out.max_sequences_16bit == 0 and _by(out, "sequences_vs_16bit")["int4"] is None
+    # the table's ratio comes from bytes, so it is defined even here: 16-bit bytes of the sequence over int4's
+    rows = {r["precision"]: r["x smaller than 16-bit"] for r in out.table_rows()}
+    full, int4 = out.by_label()["full"].sequence_bytes, out.by_label()["int4"].sequence_bytes
+    assert rows == {"full": "1.00x", "int4": f"{full / int4:.2f}x"} and 3 < full / int4 < 4
+    assert "-" not in out.text().split("vs 16-bit")[1].split("\n")[1]
 
 
 def test_context_beyond_the_model_is_flagged_and_max_context_capped():

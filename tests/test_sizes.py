@@ -47,12 +47,15 @@ def test_one_prefill_estimate_matches_a_live_cache(spec, tokens):
     assert got.live == pytest.approx(want.live) and got.at16 == pytest.approx(want.at16)
 
 
-def test_sizes_name_the_dtype_and_the_16_bit_equivalent_and_ratios_are_live_over_live():
+def test_sizes_name_the_dtype_and_the_16_bit_equivalent_and_ratios_are_against_16_bit():
     lm = _lm()
     full, int4 = sizes.per_token(lm, "full"), sizes.per_token(lm, "int4")
     assert full.live == 2 * full.at16 == LAYERS * HEADS * DIM * 2 * 4  # float32 K and V
     assert int4.live == int4.at16  # codes and 16-bit scales: the same in any model dtype
-    assert int4.times_smaller(full) == pytest.approx(full.live / int4.live)
+    assert int4.times_smaller(full) == pytest.approx(full.at16 / int4.at16)  # not live over live (twice that)
+    assert int4.times_smaller(full) == sizes.per_token(_lm(torch.bfloat16), "int4").times_smaller(
+        sizes.per_token(_lm(torch.bfloat16), "full")
+    )  # the same ratio whatever dtype the model runs in
     assert sizes.CacheSize(51_281_920, 25_640_960, "float32").text() == "48.9 MiB live (float32) = 24.5 MiB at 16 bits"
     assert sizes.CacheSize(2**20, 2**20, "bfloat16").text() == "1.0 MiB live (bfloat16)"
     assert sizes.CacheSize(2**20, 2**20, "float32").text() == "1.0 MiB live (the same at 16 bits)"  # all coded
@@ -74,3 +77,34 @@ def test_models_that_fit_grow_with_memory_and_lower_precision():
     assert memory["kind"] == "RAM" and 0 < memory["available"] <= memory["total"]
     text = sizes.stronger_model_text(SimpleNamespace(device=torch.device("cpu")), memory)
     assert "Hugging Face id" in text and "Local folder" in text and all(f"{p}:" in text for p in sizes.FIT_PRECISIONS)
+
+
+def test_homes_range_is_computed_from_the_16_bit_ratios():
+    lm = _lm()
+    r = sizes.ratios(lm)
+    full = sizes.per_token(lm, "full").at16
+    assert r == {p: pytest.approx(full / sizes.per_token(lm, p).at16) for p in ("int8", "int4", "int2")}
+    assert (
+        sizes.range_text(lm) == f"{r['int8']:.1f}x (int8), {r['int4']:.1f}x (int4) or {r['int2']:.1f}x (int2) smaller"
+    )
+    assert 1 < r["int8"] < r["int4"] < r["int2"] < 8
+
+
+def test_the_perplexity_tables_ratio_is_on_the_16_bit_basis_and_says_why_it_is_below_the_sidebars():
+    """The shipped ppl report's ratio is a 16-bit cache over the cache at 16 bits (`ppl.run_ppl`), at most the
+    per-token ratio of the quantized region the sidebar shows; the page's note says which tokens it counts."""
+    import json
+    from pathlib import Path
+
+    from kvdemo.layout import bytes_per_token
+    from kvdemo.results.ppl import PplReport, size_note
+
+    report = PplReport.from_json(json.loads((Path(__file__).parent.parent / "assets/reports/ppl.json").read_text()))
+    lm = SimpleNamespace(num_layers=30, kv_heads=3, head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    for row in report.results:
+        per_token = sizes.per_token(lm, row.precision)
+        full = sizes.per_token(lm, "full")
+        assert row.ratio_vs_fp16 <= per_token.times_smaller(full) + 1e-3, row.precision
+        assert bytes_per_token(30, 3, 64, "full", 16) == full.at16
+    note = size_note(report)
+    assert f"{report.results[0].stored_tokens:,} stored tokens" in note and "16-bit basis" in note

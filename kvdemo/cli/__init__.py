@@ -295,6 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", default="0/1", help="k/N: measure every N-th unit (parallel processes, one cache)")
     p.add_argument("--reverse", action="store_true", help="take the shard's units from the last (a second process)")
     p.add_argument("--from-cache", action="store_true", help="report what the cache holds; measure nothing")
+    p.add_argument(
+        "--rejudge",
+        default="",
+        metavar="FINDINGS_JSON",
+        help="judge a written report's measurements again with this code and write its files; measure nothing",
+    )
     p.set_defaults(func=_lazy("findings", "run_cli"), text=_lazy("findings", "format_text"))
     return parser
 

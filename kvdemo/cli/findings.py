@@ -8,9 +8,10 @@ from dataclasses import replace
 
 from ..findings.render import write_report
 from ..findings.run import QUICK, SIZES, parse_shard, plan, run_plan
+from ..findings.verdicts import judged
 from ..precision import parse_precision_list
 from ..progress import Progress
-from ..results.findings import Claim, capacity_config
+from ..results.findings import Claim, capacity_config, load
 
 
 def run_cli(args) -> dict:
@@ -19,6 +20,13 @@ def run_cli(args) -> dict:
     stopped run keeps what finished); a shard's measurements go to the cache only."""
     from ..models import load_model
 
+    if args.rejudge:  # the measurements as written, the claims judged again: no model, no measuring
+        found = load(args.rejudge)
+        if found is None:
+            raise SystemExit(f"no findings.json at {args.rejudge}")
+        config = capacity_config(args.model_config, args.gpu, args.gpus, args.context)
+        found = judged(found, config)
+        return found.to_json() | {"files": write_report(found, args.out, pdf=not args.no_pdf)}
     precisions = [s.label for s in parse_precision_list(args.precision)] if args.precision else None
     config = capacity_config(args.model_config, args.gpu, args.gpus, args.context)
     sizes = QUICK if args.quick else SIZES[args.sizes]

@@ -3,7 +3,7 @@
 import plotly.graph_objects as go
 
 from ..results.drift import DriftReport, PrecisionDrift
-from . import set_title
+from . import format_colors, set_title
 
 
 def drift_js_heatmap_figure(result: PrecisionDrift) -> go.Figure:
@@ -32,6 +32,7 @@ def drift_js_heatmap_figure(result: PrecisionDrift) -> go.Figure:
 def drift_layer_figure(report: DriftReport) -> go.Figure:
     """Mean JS divergence of the attention distributions by layer, one line per precision (log scale)."""
     fig = go.Figure()
+    colors = format_colors([r.precision for r in report.results])
     for r in report.results:
         fig.add_trace(
             go.Scatter(
@@ -39,6 +40,7 @@ def drift_layer_figure(report: DriftReport) -> go.Figure:
                 y=[row["js"] for row in r.per_layer],
                 mode="lines+markers",
                 name=r.precision,
+                line={"color": colors[r.precision]},
                 hovertemplate="layer %{x}: JS %{y:.2e}<extra>" + r.precision + "</extra>",
             )
         )
@@ -57,6 +59,7 @@ def drift_position_figure(report: DriftReport) -> go.Figure:
     """JS divergence per key vs key position (one line per precision, log scale): where the error sits.
     The sink tokens are the first bin; the dotted line marks where the full-precision residual begins."""
     fig = go.Figure()
+    colors = format_colors([r.precision for r in report.results])
     for r in report.results:
         prof = r.position_profile
         fig.add_trace(
@@ -66,6 +69,7 @@ def drift_position_figure(report: DriftReport) -> go.Figure:
                 customdata=[[b["start"], b["end"], 100 * b["js_share"], 100 * b["mass_full"]] for b in prof],
                 mode="lines+markers",
                 name=r.precision,
+                line={"color": colors[r.precision]},
                 hovertemplate="keys [%{customdata[0]}, %{customdata[1]}): JS/key %{y:.2e}, "
                 "%{customdata[2]:.0f}% of JS, %{customdata[3]:.0f}% of attention<extra>" + r.precision + "</extra>",
             )
@@ -88,6 +92,7 @@ def drift_position_figure(report: DriftReport) -> go.Figure:
 def drift_logit_kl_figure(report: DriftReport) -> go.Figure:
     """Next-token logit KL(full || quantized) for each generated (teacher-forced) token, per precision."""
     fig = go.Figure()
+    colors = format_colors([r.precision for r in report.results])
     for r in report.results:
         fig.add_trace(
             go.Scatter(
@@ -95,6 +100,7 @@ def drift_logit_kl_figure(report: DriftReport) -> go.Figure:
                 y=r.logit_kl,
                 mode="lines+markers",
                 name=r.precision,
+                line={"color": colors[r.precision]},
                 hovertemplate="token %{x}: KL %{y:.2e}<extra>" + r.precision + "</extra>",
             )
         )

@@ -8,6 +8,52 @@ from ..results.findings import Findings, needle_deltas, tradeoff, window_deltas
 from . import set_title
 
 _FINDINGS_FONT = {"size": 16}
+LABEL_FONT = 14  # px: the point labels of claim 7
+LABEL_BOX = (8, 18)  # px per character and per line of a label at LABEL_FONT (a generous estimate)
+PLOT_PX = (560, 260)  # the narrowest plot area the labels are laid out for (page column or PDF): wider spreads
+LABEL_OFFSETS = [(dx, dy) for dy in (-24, -48, 24, -72, 48, -96, 72, 96) for dx in (0, 60, -60)]
+
+
+def padded_range(values: list[float], pad: float = 0.08) -> list[float]:
+    """[low, high] around `values` with `pad` of their span on each side (an axis range set, not guessed)."""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or abs(hi) or 1.0
+    return [lo - pad * span, hi + pad * span]
+
+
+def label_boxes(xs, ys, labels, offsets, x_range, y_range, plot_px=PLOT_PX) -> list[tuple[float, float, float, float]]:
+    """Each label's box (left, top, right, bottom) in px of a `plot_px` plot area: its point mapped from the
+    axis ranges, moved by its (ax, ay) offset (plotly's arrow tail, where the text sits)."""
+    w, h = plot_px
+    boxes = []
+    for x, y, text, (ax, ay) in zip(xs, ys, labels, offsets, strict=True):
+        cx = (x - x_range[0]) / (x_range[1] - x_range[0]) * w + ax
+        cy = (1 - (y - y_range[0]) / (y_range[1] - y_range[0])) * h + ay
+        half_w, half_h = LABEL_BOX[0] * len(text) / 2, LABEL_BOX[1] / 2
+        boxes.append((cx - half_w, cy - half_h, cx + half_w, cy + half_h))
+    return boxes
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def place_labels(xs, ys, labels, x_range, y_range, plot_px=PLOT_PX) -> list[tuple[int, int]]:
+    """An (ax, ay) px offset per label so that no two label boxes overlap and each stays inside the plot (greedy,
+    from the top of the chart: the first of `LABEL_OFFSETS` clear of the labels placed so far); near-coincident points (fp8 beside int8,
+    k8v4 beside k4v8) get their labels stacked with arrows instead of printed over each other."""
+    order = sorted(range(len(xs)), key=lambda i: (-ys[i], xs[i]))
+    markers = label_boxes(xs, ys, [""] * len(xs), [(0, 0)] * len(xs), x_range, y_range, plot_px)
+    placed: dict[object, tuple] = {("marker", i): (b[0] - 8, b[1], b[2] + 8, b[3]) for i, b in enumerate(markers)}
+    offsets: dict[int, tuple[int, int]] = {}
+    for i in order:
+        for off in LABEL_OFFSETS:
+            (box,) = label_boxes([xs[i]], [ys[i]], [labels[i]], [off], x_range, y_range, plot_px)
+            inside = box[0] >= 0 and box[1] >= 0 and box[2] <= plot_px[0] and box[3] <= plot_px[1]
+            if inside and not any(_overlap(box, other) for other in placed.values()):
+                break
+        placed[i], offsets[i] = box, off
+    return [offsets[i] for i in range(len(xs))]
 
 
 def _findings_layout(fig: go.Figure, title: str, **layout) -> go.Figure:
@@ -201,15 +247,23 @@ def findings_tradeoff_figure(found: Findings, budget: float | None = None, confi
         go.Scatter(
             x=[p["multiplier"] for p in pts],
             y=[p["nll_delta"] for p in pts],
-            mode="markers+text",
+            mode="markers",
             text=[p["precision"] for p in pts],
-            textposition="top center",
-            textfont={"size": 14},
             marker={"size": 14, "color": ["#2ca02c" if p["pareto"] else "#7f7f7f" for p in pts]},
             name="precisions",
             hovertemplate="%{text}: %{x:.2f}x sequences, %{y:+.4f} nats/token<extra></extra>",
         )
     )
+    xs, ys = [p["multiplier"] or 0.0 for p in pts], [p["nll_delta"] for p in pts]
+    x_range, y_range = padded_range(xs), padded_range([*ys, t["budget"]])
+    offsets = place_labels(xs, ys, [p["precision"] for p in pts], x_range, y_range)
+    for p, x, y, (ax, ay) in zip(pts, xs, ys, offsets, strict=True):
+        fig.add_annotation(
+            x=x, y=y, text=p["precision"], ax=ax, ay=ay, showarrow=True, arrowwidth=1, arrowcolor="#999",
+            font={"size": LABEL_FONT}, name="label",
+        )  # fmt: skip
+    fig.update_xaxes(range=x_range)
+    fig.update_yaxes(range=y_range)
     front = sorted((p for p in pts if p["pareto"]), key=lambda p: p["multiplier"])
     fig.add_trace(
         go.Scatter(

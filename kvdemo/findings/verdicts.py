@@ -102,6 +102,17 @@ def verdict_long_range(found: Findings) -> tuple[Verdict, dict]:
         long_fail = (long_w is not None and long_w > th["nll_ok_nats"]) or (
             long_n is not None and long_n < -th["needle_ok_nats"]
         )
+        # the claim is that loss grows with length: a measure that gets better with length (beyond its noise)
+        # contradicts it, whatever the other measure does
+        improves = [
+            name
+            for name, short_x, long_x, noise in (
+                ("NLL", s_nll, long_w, th["noise_nll_nats"]),
+                ("needle log p", None if short_n is None else -short_n, None if long_n is None else -long_n,
+                 th["noise_needle_nats"]),
+            )
+            if short_x is not None and long_x is not None and long_x < short_x - noise
+        ]  # fmt: skip
         rows.append(
             {
                 "precision": label,
@@ -113,13 +124,15 @@ def verdict_long_range(found: Findings) -> tuple[Verdict, dict]:
                 "long_length": n[-1]["length"] if n else None,
                 "short_pass": short_pass,
                 "long_fail": long_fail,
-                "holds": short_pass and long_fail,
+                "improves_with_length": improves,
+                "holds": short_pass and long_fail and not improves,
             }
         )
     if not rows:
         return Verdict(None, "no quantized precision was measured"), {"rows": []}
     holding = [r for r in rows if r["holds"]]
     fine = [r["precision"] for r in rows if r["short_pass"] and not r["long_fail"]]
+    mixed = [r for r in rows if r["short_pass"] and r["long_fail"] and r["improves_with_length"]]
     broken = [r["precision"] for r in rows if not r["short_pass"]]
     parts = []
     for r in holding:
@@ -132,6 +145,13 @@ def verdict_long_range(found: Findings) -> tuple[Verdict, dict]:
         if holding
         else "no precision passes the short eval and then degrades at length"
     )
+    if mixed:
+        text += ". Mixed, so not counted: " + "; ".join(
+            f"{r['precision']} (worse at the end by one measure, but {' and '.join(r['improves_with_length'])} "
+            f"improves with length: NLL {_fmt(r['short_nll_delta'])} -> {_fmt(r['long_nll_delta'])}, needle log p "
+            f"{_fmt(r['short_needle_delta'], 2)} -> {_fmt(r['long_needle_delta'], 2)})"
+            for r in mixed
+        )
     if fine:
         text += f". Pass at both ends: {', '.join(fine)}"
     if broken:

@@ -117,6 +117,13 @@ class Headroom:
     def by_label(self) -> dict[str, PrecisionHeadroom]:
         return {p.label: p for p in self.precisions}
 
+    def size_vs_16bit(self, p: PrecisionHeadroom) -> float:
+        """How many times smaller one `context`-token sequence at `p` is than the same tokens in a 16-bit cache:
+        from bytes (K + V, 2 bytes an element, all layers and KV heads), so defined even where memory holds no
+        16-bit sequence (then `sequences_vs_16bit` is None)."""
+        m = self.model  # KV heads as placed: each GPU holds `kv_heads_per_gpu` (replicated when GPUs > heads)
+        return 2 * m["layers"] * self.kv_heads_per_gpu * self.gpus * m["head_dim"] * 2 * self.context / p.sequence_bytes
+
     def to_json(self) -> dict:
         head = (
             "model_config", "model", "gpu", "gpu_info", "gpus", "context", "users", "weight_bits", "kv_heads_per_gpu",
@@ -154,7 +161,8 @@ class Headroom:
         )
 
     def table_rows(self) -> list[dict]:
-        """The Memory page's table: bits, bytes/token, GB per sequence, max sequences and max context."""
+        """The Memory page's table: bits, bytes/token, GB per sequence, max sequences, how many times smaller than
+        a 16-bit cache a sequence is (`size_vs_16bit`) and max context."""
         return [
             {
                 "precision": p.label,
@@ -162,7 +170,7 @@ class Headroom:
                 "bytes/token": p.bytes_per_token,
                 "GB per sequence": p.sequence_bytes / GB,
                 "max sequences": p.max_sequences,
-                "vs 16-bit": f"{p.sequences_vs_16bit:.2f}x" if p.sequences_vs_16bit is not None else "-",
+                "x smaller than 16-bit": f"{self.size_vs_16bit(p):.2f}x",
                 f"max context for {self.users} user(s)": p.max_context_for_users,
             }
             for p in self.precisions
@@ -183,11 +191,11 @@ class Headroom:
             f"{'max ctx':>12}",
         ]
         for p in self.precisions:
-            bits, ratio = p.bits_per_element, p.sequences_vs_16bit
+            bits, ratio = p.bits_per_element, self.size_vs_16bit(p)
             limit = " (model)" if p.max_context_limited_by == "model" else ""
             lines.append(
                 f"{p.label:<{w + 2}}{bits['key']:>6.3g}/{bits['value']:<5.3g}{p.bytes_per_token:>11,}"
-                f"{_gb(p.sequence_bytes):>12}{p.max_sequences:>10,}{'-' if ratio is None else f'{ratio:.2f}x':>10}"
+                f"{_gb(p.sequence_bytes):>12}{p.max_sequences:>10,}{f'{ratio:.2f}x':>10}"
                 f"{p.max_context_for_users:>12,}{limit}"
             )
         lines.append("\nmemory split at max sequences (all GPUs): weights / KV / reserve / free")

@@ -172,6 +172,18 @@ def result_rows(rows: list[PplRow]) -> list[dict]:
     ]
 
 
+def size_note(report: PplReport) -> str:
+    """What the table's "x smaller than fp16" divides: a 16-bit cache of the stored tokens over the whole stored
+    cache with its full-precision parts at 16 bits: the basis of the sidebar and Home, whose per-token figure is
+    higher because it counts the quantized region alone."""
+    stored = max((r.stored_tokens for r in report.results), default=0)
+    return (
+        f"x smaller than fp16: a 16-bit cache of the {stored:,} stored tokens over this whole cache, its "
+        "full-precision parts (the residual window, sinks) counted at 16 bits: the same 16-bit basis as the "
+        "sidebar, whose per-token figure counts the quantized region alone and so is higher."
+    )
+
+
 def interval_note(report: PplReport) -> str:
     """What a report's intervals rest on, and where they are too thin to rank anything."""
     lo, hi = report.scored_positions
