@@ -14,6 +14,7 @@ from kvdemo.probe import Client, Endpoint, ProbeError, WordPieces, parse_endpoin
 from kvdemo.probe import client as kinds
 from kvdemo.progress import Cancelled
 from kvdemo.results.probe import (
+    ProbeCell,
     ProbeReport,
     endpoint_difference,
     errors,
@@ -270,3 +271,69 @@ def test_cli_writes_the_report_and_csv_without_the_key(key, tmp_path, capsys):
         assert KEY not in text
     assert main(["probe", "--endpoint", "oops"]) == 2
     assert "NAME=BASE_URL,MODEL" in capsys.readouterr().err
+
+
+# --- the page (AppTest, the page alone: it loads no model) -------------------------------------------------------
+
+
+def page():
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app_pages" / "probe.py"), default_timeout=60)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def test_page_probes_two_endpoints_and_shows_every_failure(key):
+    at = page()
+    at.button(key="probe_run").click().run()
+    assert any("add at least one endpoint" in e.value for e in at.error)
+    at.text_area(key="probe_endpoints").set_value("oops").run()
+    assert any("line 1: endpoint 'oops'" in e.value for e in at.error)
+    with FakeServer(key=KEY) as big, FakeServer(key=KEY, context_tokens=500) as small:
+        lines = [f"big={big.base_url},fake-model,PROBE_KEY", f"small={small.base_url},fake-model,PROBE_KEY",
+                 f"wrong={big.base_url},fake-model,PROBE_WRONG_KEY"]  # fmt: skip
+        at.text_area(key="probe_endpoints").set_value("\n".join(lines)).run()
+        table = at.dataframe[0].value  # the endpoints as read: the key variable named, never its value
+        assert list(table["key"]) == ["PROBE_KEY is set"] * 2 + ["PROBE_WRONG_KEY is set"]
+        at.text_input(key="probe_lengths").set_value("300,700").run()
+        at.text_input(key="probe_depths").set_value("0,100").run()
+        at.button(key="probe_run").click().run()
+    assert not at.exception, at.exception
+    report = at.session_state["probe_result"]
+    assert isinstance(report, ProbeReport) and len(report.cells) == 12
+    warnings = [w.value for w in at.warning]
+    assert any(w.startswith("small: the prompt is longer than the context") for w in warnings)
+    assert any("wrong: the endpoint refused the key (HTTP 401)" in w for w in warnings)
+    assert len(at.get("plotly_chart")) == 2  # heatmaps and the difference map
+    assert len(at.get("download_button")) == 2
+    shown = " ".join(str(e.value) for kind in ("markdown", "warning", "caption", "text_area") for e in at.get(kind))
+    assert KEY not in shown and WRONG not in shown
+
+
+def test_page_cancel_keeps_the_finished_cells(key, monkeypatch):
+    from streamlit.runtime.scriptrunner_utils.exceptions import StopException
+
+    import kvdemo.probe as probe
+    from kvdemo.progress import Progress
+
+    cell = ProbeCell("a", 300, 50.0, 0, "12345", True, "The answer is 12345.", 0.1, 310, 7)
+
+    def one_cell_then_cancel(endpoints, lengths, depths, on_progress=None, **kw):
+        on_progress(Progress(300, 1200, "tokens", "a at 300 tokens", 0.1, cell))
+        raise StopException()  # what Streamlit raises in the script when the Cancel click reruns it
+
+    monkeypatch.setattr(probe, "run_probe", one_cell_then_cancel)
+    at = page()
+    at.text_area(key="probe_endpoints").set_value("a=http://127.0.0.1:9/v1,m").run()
+    at.text_input(key="probe_lengths").set_value("300,900").run()
+    at.button(key="probe_run").click().run()
+    at.button(key="probe_cancel").click().run()
+    assert not at.exception, at.exception
+    partial = at.session_state["probe_cancelled"]
+    assert partial["rows"] == [cell.to_json()] and partial["meta"]["lengths"] == [300, 900]
+    assert any("Cancelled probe (partial): 1 of 6 cells" in i.value for i in at.info)
+    assert len(at.get("download_button")) == 2

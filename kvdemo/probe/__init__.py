@@ -8,7 +8,7 @@
   endpoint differences, files.
 """
 
-from .client import ENDPOINT_FAILURES, Client, Endpoint, ProbeError, Reply, parse_endpoint
+from .client import ENDPOINT_FAILURES, Client, Endpoint, ProbeError, Reply, key_status, parse_endpoint, parse_endpoints
 from .prompts import ESTIMATOR, Question, WordPieces, answer_logprob
 from .run import DEFAULT_MAX_TOKENS, MAX_CONCURRENCY, questions, run_probe, work_tokens
 
@@ -24,7 +24,9 @@ __all__ = [
     "Reply",
     "WordPieces",
     "answer_logprob",
+    "key_status",
     "parse_endpoint",
+    "parse_endpoints",
     "questions",
     "run_probe",
     "work_tokens",

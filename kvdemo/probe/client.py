@@ -109,6 +109,26 @@ def parse_endpoint(text: str) -> Endpoint:
     return Endpoint(name.strip(), parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else "")
 
 
+def parse_endpoints(text: str) -> list[Endpoint]:
+    """One endpoint per line (`parse_endpoint`'s grammar; blank lines and lines starting with # skipped); a
+    ValueError naming the line that does not parse."""
+    out = []
+    for i, line in enumerate(text.splitlines(), start=1):
+        if line.strip() and not line.strip().startswith("#"):
+            try:
+                out.append(parse_endpoint(line))
+            except ValueError as err:
+                raise ValueError(f"line {i}: {err}") from None
+    return out
+
+
+def key_status(endpoint: Endpoint) -> str:
+    """Whether the endpoint's key variable is set, in words (never the key)."""
+    if not endpoint.key_env:
+        return "no key sent"
+    return f"{endpoint.key_env} is set" if os.environ.get(endpoint.key_env) else f"{endpoint.key_env} is NOT set"
+
+
 @dataclass
 class Reply:
     """One chat completion: the answer text, `usage`'s token counts, the answer tokens' log-probs when the
