@@ -39,6 +39,7 @@ class FakeServer:
         self.model, self.key, self.context_tokens, self.recall_tokens = model, key, context_tokens, recall_tokens
         self.plan, self.slow_s, self.logprobs = list(plan or []), slow_s, logprobs
         self.requests: list[dict] = []  # every request body, with "authorization" added
+        self.in_flight = self.most_in_flight = 0  # requests being answered now, and the most at once
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
@@ -109,7 +110,12 @@ class FakeServer:
                     self.close_connection = True
                     return
                 if step == "slow":
+                    with server._lock:
+                        server.in_flight += 1
+                        server.most_in_flight = max(server.most_in_flight, server.in_flight)
                     time.sleep(server.slow_s)
+                    with server._lock:
+                        server.in_flight -= 1
                 prompt = "".join(m["content"] for m in body["messages"])
                 tokens = _COUNT(prompt)
                 if tokens > server.context_tokens:

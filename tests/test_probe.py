@@ -240,6 +240,23 @@ def test_cancel_keeps_the_finished_cells(key):
     assert [c.to_json() for c in cells[:2]] == [p.row.to_json() for p in seen if p.row is not None][:2]
 
 
+def test_requests_in_flight_stay_within_the_concurrency(key):
+    with FakeServer(key=KEY, plan=["slow"] * 8, slow_s=0.2) as server:
+        report = run_probe([fast(server)], [300, 700], [0, 50, 100, 25], concurrency=2)
+        assert len(server.requests) == 8 and server.most_in_flight <= 2
+    assert all(c.found for c in report.cells)
+
+
+def test_a_key_a_header_cannot_carry_is_refused_without_quoting_it(key, monkeypatch):
+    monkeypatch.setenv("PROBE_BAD_KEY", "sk-two\nlines-SECRET")
+    monkeypatch.setenv("PROBE_NEWLINE_KEY", KEY + "\n")  # read from a file: the newline is dropped
+    with FakeServer(key=KEY) as server:
+        with pytest.raises(ProbeError, match="holds characters a key cannot have") as err:
+            chat(server, key_env="PROBE_BAD_KEY").chat(MESSAGES, 16)
+        assert "SECRET" not in str(err.value) and not server.requests
+        assert "12345" in chat(server, key_env="PROBE_NEWLINE_KEY").chat(MESSAGES, 16).text
+
+
 def test_bad_settings_are_refused_before_anything_is_sent():
     e = Endpoint("a", "http://127.0.0.1:9/v1", "m")
     for kw, says in [

@@ -86,9 +86,12 @@ class Endpoint:
         variable it names is unset or empty."""
         if not self.key_env:
             return ""
-        value = os.environ.get(self.key_env, "")
+        value = os.environ.get(self.key_env, "").strip()  # a key read from a file often ends in a newline
         if not value:
             raise ProbeError(NO_KEY, f"{self.name}: the environment variable {self.key_env} is not set")
+        if not value.isascii() or not value.isprintable() or any(c.isspace() for c in value):
+            # an HTTP header cannot carry it, and the error http.client would raise quotes the header
+            raise ProbeError(NO_KEY, f"{self.name}: the variable {self.key_env} holds characters a key cannot have")
         return value
 
     def to_json(self) -> dict:
@@ -284,6 +287,9 @@ class Client:
                     kind, message = UNREACHABLE, f"{name}: cannot reach {self.endpoint.base_url} ({reason})"
             except OSError as err:  # a connection dropped mid-answer
                 kind, message = UNREACHABLE, f"{name}: cannot reach {self.endpoint.base_url} ({type(err).__name__})"
+            except Exception as err:  # anything else urllib raises: one line, the key masked, not retried
+                detail = self._mask(f"{type(err).__name__}: {err}", key)
+                raise ProbeError(REQUEST, f"{name}: the request failed ({detail})", attempt) from None
             else:
                 if status == 200:
                     return self._reply(parsed, text, time.perf_counter() - t0, attempt, key)
