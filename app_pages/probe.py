@@ -15,6 +15,7 @@ from kvdemo.results.probe import (
     ProbeReport,
     endpoint_differences,
     errors,
+    failure_line,
     found_rates,
     needle_grid,
     partial_report,
@@ -133,7 +134,7 @@ if job.buttons():
 def show(report: ProbeReport, key: str = "probe") -> None:
     """A probe's failures, found rates, heatmaps, difference map, cells and downloads (`key` prefixes widget keys)."""
     for failure in errors(report.cells):
-        st.warning(f"{failure['error']} ({failure['cells']} cells)", icon=":material/error:")
+        st.warning(failure_line(failure), icon=":material/error:")
     for note in report.notes:
         st.caption(note)
     percent = {c: st.column_config.NumberColumn(c, format="percent") for c in ("rate", "low", "high")}

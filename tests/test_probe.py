@@ -87,7 +87,10 @@ def test_answer_usage_and_logprobs(key):
         assert reply.token_logprobs and all(lp == -0.01 for _, lp in reply.token_logprobs)
         assert server.requests[0]["authorization"] == f"Bearer {KEY}" and server.requests[0]["logprobs"] is True
     with FakeServer(key=KEY, logprobs=False) as server:
-        assert chat(server).chat(MESSAGES, 16).token_logprobs is None  # recorded as not returned
+        assert chat(server).chat(MESSAGES, 16).token_logprobs is None
+        report = run_probe([fast(server)], [300], [50])
+    assert report.cells[0].found and report.cells[0].reply_logprob is None  # recorded as not returned
+    assert found_rates(report.cells)[0]["with_logprobs"] == 0
 
 
 @pytest.mark.parametrize(
@@ -182,6 +185,7 @@ def test_two_endpoints_side_by_side_and_a_bad_one(key):
     assert rates["big"]["low"] == pytest.approx(0.7008, abs=1e-4)  # Wilson at 9/9
     assert (rates["small"]["found"], rates["small"]["answered"], rates["small"]["failed"]) == (4, 6, 3)
     assert rates["small"]["low"] < 4 / 6 < rates["small"]["high"]
+    assert rates["big"]["with_logprobs"] == 9 and rates["big"]["mean_answer_logprob"] == pytest.approx(-0.01)
     cell = by["big", 300, 0.0]
     assert cell.prompt_tokens and abs(cell.prompt_tokens - cell.estimated_tokens) <= 20  # usage is reported
     assert cell.answer_logprob == pytest.approx(-0.01) and cell.reply_logprob == pytest.approx(-0.07)

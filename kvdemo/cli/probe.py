@@ -13,6 +13,7 @@ from ..results.probe import (
     ProbeReport,
     endpoint_differences,
     errors,
+    failure_line,
     found_rates,
     partial_report,
     rate_line,
@@ -104,6 +105,6 @@ def format_text(report: ProbeReport) -> str:
         lines += ["", *[difference_line(d) for d in diffs]]
     failures = errors(report.cells)
     if failures:
-        lines += ["", "failures:"] + [f"  {f['error']} ({f['cells']} cells)" for f in failures]
+        lines += ["", "failures:"] + [f"  {failure_line(f)}" for f in failures]
     lines += ["", *report.notes]
     return "\n".join(lines)

@@ -130,8 +130,9 @@ BY = ("all", "length", "depth")
 
 def found_rates(cells: Sequence[ProbeCell], by: str = "all") -> list[dict]:
     """Per endpoint (and per length or depth with `by`): cells, answered, found, the found rate over the answered
-    cells with its 95% Wilson interval (None when none answered), failed cells, mean latency, tokens sent
-    (`usage.prompt_tokens` summed) and completion tokens, as the endpoint reported them."""
+    cells with its 95% Wilson interval (None when none answered), failed cells, mean latency, the answered cells
+    that came with log-probs and the mean answer log-prob of the found ones, tokens sent (`usage.prompt_tokens`
+    summed) and completion tokens, as the endpoint reported them."""
     if by not in BY:
         raise ValueError(f"unknown grouping {by!r}; allowed: {', '.join(BY)}")
     groups: dict[tuple, list[ProbeCell]] = {}
@@ -144,6 +145,7 @@ def found_rates(cells: Sequence[ProbeCell], by: str = "all") -> list[dict]:
         found = sum(bool(c.found) for c in answered)
         low, high = wilson_interval(found, len(answered)) if answered else (None, None)
         latencies = [c.latency_s for c in answered if c.latency_s is not None]
+        scored = [c.answer_logprob for c in answered if c.answer_logprob is not None]  # found, with log-probs
         row = {"endpoint": key[0]} | ({} if by == "all" else {by: key[1]})
         out.append(
             row
@@ -156,11 +158,18 @@ def found_rates(cells: Sequence[ProbeCell], by: str = "all") -> list[dict]:
                 "high": None if high is None else round(high, 4),
                 "failed": len(mine) - len(answered),
                 "mean_latency_s": round(sum(latencies) / len(latencies), 3) if latencies else None,
+                "with_logprobs": sum(c.reply_logprob is not None for c in answered),  # the rest came without
+                "mean_answer_logprob": round(sum(scored) / len(scored), 4) if scored else None,
                 "prompt_tokens": sum(c.prompt_tokens or 0 for c in mine),
                 "completion_tokens": sum(c.completion_tokens or 0 for c in mine),
             }
         )
     return out
+
+
+def failure_line(failure: dict) -> str:
+    """One `errors` entry as a line: the message and how many cells it took."""
+    return f"{failure['error']} ({failure['cells']} cell{'' if failure['cells'] == 1 else 's'})"
 
 
 def errors(cells: Sequence[ProbeCell]) -> list[dict]:
@@ -246,7 +255,9 @@ def rate_line(r: dict) -> str:
         return f"{r['endpoint']}{where}: no answered cells{failed}"
     return (
         f"{r['endpoint']}{where}: found {r['found']}/{r['answered']} ({r['rate']:.0%}, 95% {r['low']:.0%}..{r['high']:.0%})"
-        f"{failed}; {r['prompt_tokens']:,} prompt + {r['completion_tokens']:,} completion tokens by usage"
+        f"{failed}; mean latency {r['mean_latency_s']:.2f} s; log-probs with {r['with_logprobs']}/{r['answered']}; "
+        f"{r['prompt_tokens']:,} prompt + "
+        f"{r['completion_tokens']:,} completion tokens by usage"
     )
 
 
