@@ -232,16 +232,24 @@ def test_endpoint_wide_failures_stop_sending_and_keep_the_other_endpoint(key):
     assert KEY not in text and WRONG not in text and "PROBE_WRONG_KEY" in text
 
 
-def test_cancel_keeps_the_finished_cells(key):
+def test_cancel_keeps_the_finished_cells_and_sends_nothing_more(key):
+    from threading import Event
+
+    from kvdemo.probe.run import _EndpointState, ask
+
     with FakeServer(key=KEY) as server:
         seen = []
         with pytest.raises(Cancelled) as stopped:
             run_probe([fast(server)], [300, 700], DEPTHS, concurrency=1, on_progress=seen.append,
                       should_stop=lambda: sum(p.row is not None for p in seen) >= 2)  # fmt: skip
-        assert len(server.requests) <= 3
+        sent = len(server.requests)
+        cancelled = Event()
+        cancelled.set()  # what the run sets when it stops: a request still queued returns unsent
+        q = questions("passkey", [300], [50])[1][0]
+        assert ask(chat(server), q, _EndpointState(), 16, cancelled) is None and len(server.requests) == sent
     cells = stopped.value.partial
     assert len(cells) >= 2 and all(c.found for c in cells)
-    assert [c.to_json() for c in cells[:2]] == [p.row.to_json() for p in seen if p.row is not None][:2]
+    assert [c.to_json() for c in cells] == [p.row.to_json() for p in seen if p.row is not None]
 
 
 def test_requests_in_flight_stay_within_the_concurrency(key):

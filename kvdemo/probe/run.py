@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from threading import Event, Lock
@@ -51,7 +51,7 @@ def work_tokens(lengths: Sequence[int], depths: Sequence[float], endpoints: int,
     return sum(int(n) for n in lengths) * len(depths) * endpoints * repeats
 
 
-def questions(
+def _questions(
     kind: str,
     lengths: Sequence[int],
     depths: Sequence[float],
@@ -63,17 +63,32 @@ def questions(
     question_text: str = "",
     answer: str = "",
     num_keys: int = NUM_KEYS,
-) -> tuple[str, list[Question], list[str]]:
-    """(haystack name, the cells' questions seed by seed and lengths ascending, notes)."""
+) -> tuple[str, Iterator[tuple[Question, str | None]]]:
+    """(haystack name, the cells' questions seed by seed and lengths ascending, each with a note or None), the
+    questions built as they are taken (a long prompt takes a second or two to build)."""
     name, hay, joiner = choose_haystack(kind, document, document_name)
+    make_task(kind, cell_rng(seed, 0, 0.0), needle, question_text, answer, num_keys)  # a bad needle fails now
+
+    def build() -> Iterator[tuple[Question, str | None]]:
+        for s, n, d in itertools.product(range(seed, seed + repeats), sorted(lengths), depths):
+            rng = cell_rng(s, n, d)
+            q = question(make_task(kind, rng, needle, question_text, answer, num_keys), hay, n, d, s, rng, joiner)
+            repeated = q.prompt.haystack_copies > 1 and name != "filler"
+            yield (
+                q,
+                f"the {name} is shorter than {n} tokens: it was repeated to fill the haystack" if repeated else None,
+            )
+
+    return name, build()
+
+
+def questions(*args, **kw) -> tuple[str, list[Question], list[str]]:
+    """(haystack name, every cell's question seed by seed and lengths ascending, notes); `_questions`' arguments."""
+    name, built = _questions(*args, **kw)
     out, notes = [], [ESTIMATE_NOTE]
-    for s, n, d in itertools.product(range(seed, seed + repeats), sorted(lengths), depths):
-        rng = cell_rng(s, n, d)
-        q = question(make_task(kind, rng, needle, question_text, answer, num_keys), hay, n, d, s, rng, joiner)
-        if q.prompt.haystack_copies > 1 and name != "filler":
-            note = f"the {name} is shorter than {n} tokens: it was repeated to fill the haystack"
-            notes += [note] if note not in notes else []
+    for q, note in built:
         out.append(q)
+        notes += [note] if note and note not in notes else []
     return name, out, notes
 
 
@@ -177,31 +192,41 @@ def run_probe(
     if max_tokens < 1:
         raise ValueError("max tokens must be at least 1")
     clients = [Client(e, timeout_s, retries, backoff_s) for e in endpoints]
-    haystack, qs, notes = questions(kind, lengths, depths, seed, repeats, document, document_name, needle, question,
-                                    answer)  # fmt: skip
+    haystack, built = _questions(kind, lengths, depths, seed, repeats, document, document_name, needle, question,
+                                 answer)  # fmt: skip
+    notes = [ESTIMATE_NOTE]
     track = Tracker(work_tokens(lengths, depths, len(endpoints), repeats), "tokens", on_progress, should_stop)
     t0 = time.perf_counter()
     stop = Event()
     pools = [ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"probe-{e.name}") for e in endpoints]
     states = [_EndpointState() for _ in endpoints]
+    pending: set = set()
+    last = [time.perf_counter()]  # when progress was last reported
+
+    def collect(timeout: float) -> None:
+        """Count the cells finished within `timeout` seconds (0: those already finished); stop when asked."""
+        nonlocal pending
+        track.check("the probe")
+        done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        for fut in done:
+            cell = fut.result()
+            if cell is not None:
+                track.advance(_cell_text(cell), cell.length, cell)
+                last[0] = time.perf_counter()
+        if pending and time.perf_counter() - last[0] > 1.0:
+            track.report(f"waiting for {min(len(pending), concurrency * len(endpoints))} requests")
+            last[0] = time.perf_counter()
+
     try:
-        pending = {
-            pool.submit(ask, client, q, state, max_tokens, stop)
-            for q in qs
-            for pool, client, state in zip(pools, clients, states, strict=True)
-        }
-        last_report = time.perf_counter()
+        for q, note in built:  # requests go out while the next, longer prompts are built
+            notes += [note] if note and note not in notes else []
+            pending |= {
+                pool.submit(ask, client, q, state, max_tokens, stop)
+                for pool, client, state in zip(pools, clients, states, strict=True)
+            }
+            collect(0)
         while pending:
-            track.check("the probe")
-            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
-            for fut in done:
-                cell = fut.result()
-                if cell is not None:
-                    track.advance(_cell_text(cell), cell.length, cell)
-                    last_report = time.perf_counter()
-            if pending and time.perf_counter() - last_report > 1.0:
-                track.report(f"waiting for {min(len(pending), concurrency * len(endpoints))} requests")
-                last_report = time.perf_counter()
+            collect(POLL_S)
     finally:
         stop.set()  # queued requests return unsent; those in flight end on their own timeout
         for pool in pools:
