@@ -4,7 +4,7 @@ It answers a needle prompt by rule: it reads the pass key (or the asked multikey
 answers it while the prompt is at most `recall_tokens` long, and beyond that only when the needle sits in the
 first half of the prompt ("I don't know." otherwise); prompts over `context_tokens` get a 400 with a
 "maximum context length" message, as vLLM and OpenAI send. Tokens are counted with the probe's own
-`WordPieces`, so usage.prompt_tokens is exact here; log-probs come back when asked for and `logprobs` is on.
+`WordPieces`, so usage.prompt_tokens is exact here; log-probs come back when asked for and `logprobs` is True ("reject": the request is refused with a 400 naming them).
 
 `plan` scripts misbehaviour, one entry per request in order ("ok" once it runs out): "500", "429" (with
 Retry-After: 0), "badjson", "nofields", "slow" (answers after `slow_s`), "drop" (closes the connection).
@@ -34,7 +34,7 @@ class FakeServer:
         recall_tokens: int = 100_000,
         plan: list[str] | None = None,
         slow_s: float = 1.0,
-        logprobs: bool = True,
+        logprobs: bool | str = True,  # False: never returned; "reject": a 400 when asked for
     ):
         self.model, self.key, self.context_tokens, self.recall_tokens = model, key, context_tokens, recall_tokens
         self.plan, self.slow_s, self.logprobs = list(plan or []), slow_s, logprobs
@@ -98,6 +98,8 @@ class FakeServer:
                     return self._send(401, {"error": {"message": f"Incorrect API key provided: {sent}"}})
                 if body.get("model") != server.model:
                     return self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist"}})
+                if body.get("logprobs") and server.logprobs == "reject":
+                    return self._send(400, {"error": {"message": "logprobs is not supported by this server"}})
                 if step == "500":
                     return self._send(500, {"error": {"message": "internal error"}})
                 if step == "429":
@@ -127,7 +129,7 @@ class FakeServer:
                 text = server.answer(prompt)
                 pieces = re.findall(r"\S+|\s+", text)
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-                if server.logprobs and body.get("logprobs"):
+                if server.logprobs is True and body.get("logprobs"):
                     lp = -0.01 if "answer" in text else -1.5
                     choice["logprobs"] = {"content": [{"token": p, "logprob": lp} for p in pieces]}
                 usage = {

@@ -91,6 +91,11 @@ def test_answer_usage_and_logprobs(key):
         report = run_probe([fast(server)], [300], [50])
     assert report.cells[0].found and report.cells[0].reply_logprob is None  # recorded as not returned
     assert found_rates(report.cells)[0]["with_logprobs"] == 0
+    with FakeServer(key=KEY, logprobs="reject") as server:
+        client = chat(server)
+        reply = client.chat(MESSAGES, 16)
+        assert "12345" in reply.text and reply.token_logprobs is None and reply.attempts == 1
+        assert [r.get("logprobs") for r in server.requests] == [True, None] and client.logprobs is False
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,7 @@ class Client:
         detail = (parsed or {}).get("error", parsed) if parsed else text
         if isinstance(detail, dict):
             detail = detail.get("message") or json.dumps(detail)
-        detail = self._mask(" ".join(str(detail).split())[:BODY_CHARS], key)
+        detail = self._mask(" ".join(str(detail).split()), key)[:BODY_CHARS]  # masked before a cut could split the key
         if status in (401, 403):
             hint = f"check the variable {ep.key_env}" if ep.key_env else "it needs a key: add ,KEY_ENV to the endpoint"
             return AUTH, f"{name}: the endpoint refused the key (HTTP {status}): {hint}"
@@ -224,13 +224,15 @@ class Client:
         """The answer, usage and log-probs of a 200 answer; `ProbeError(MALFORMED)` when a field is missing."""
         name = self.endpoint.name
         if parsed is None:
-            snippet = self._mask(" ".join(text.split())[:80], key)
+            snippet = self._mask(" ".join(text.split()), key)[:80]
             raise ProbeError(MALFORMED, f"{name}: the answer is not JSON ({snippet!r})", attempts)
         try:
             choice = parsed["choices"][0]
             content = choice["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise ProbeError(MALFORMED, f"{name}: the answer has no choices[0].message.content", attempts) from None
+        if content is None:  # null: nothing written (a reasoning model can spend max_tokens before answering)
+            content = ""
         if not isinstance(content, str):
             raise ProbeError(MALFORMED, f"{name}: choices[0].message.content is not text", attempts)
         usage = parsed.get("usage") if isinstance(parsed.get("usage"), dict) else {}
