@@ -18,6 +18,7 @@ PAGES = [
     st.Page("app_pages/perplexity.py", title="Perplexity", icon=":material/show_chart:", url_path="perplexity"),
     st.Page("app_pages/memory.py", title="Memory & headroom", icon=":material/bar_chart:", url_path="memory"),
     st.Page("app_pages/drift.py", title="Attention drift", icon=":material/grid_on:", url_path="drift"),
+    st.Page("app_pages/probe.py", title="API probe", icon=":material/cloud:", url_path="probe"),
 ]
 
 page = st.navigation(PAGES)

@@ -9,6 +9,7 @@ see each other's data; the loaded model is shared through `st.cache_resource` an
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import html
 from collections.abc import Callable
@@ -422,8 +423,9 @@ T = TypeVar("T")
 OOM_HINT = "out of memory: try fewer tokens, a shorter document or a lower KV precision (int4, int2)"
 
 
-def run_exclusive(lm: LoadedModel, work: Callable[[], T], status=None) -> T | None:
-    """Run `work()` holding the model's lock (one generation at a time for all sessions).
+def run_exclusive(lm: LoadedModel | None, work: Callable[[], T], status=None) -> T | None:
+    """Run `work()` holding the model's lock (one generation at a time for all sessions; no lock when `lm` is
+    None: work that uses no model, such as the API probe).
 
     Shows "waiting for another user" in `status` while queued; a `ValueError` (bad settings) or out of
     memory becomes an `st.error` line and returns None, so the page keeps serving.
@@ -434,7 +436,7 @@ def run_exclusive(lm: LoadedModel, work: Callable[[], T], status=None) -> T | No
         status.info(f"Waiting for another user's run to finish... {seconds:.0f} s", icon=":material/hourglass:")
 
     try:
-        with model_lock(lm, on_wait=waiting):
+        with model_lock(lm, on_wait=waiting) if lm is not None else contextlib.nullcontext():
             status.empty()
             return work()
     except (torch.OutOfMemoryError, MemoryError):
@@ -482,7 +484,9 @@ class LongRun:
         """The rows a cancelled run kept, with its meta and seconds (None when the last run was not cancelled)."""
         return st.session_state.get(f"{self.key}_cancelled")
 
-    def run(self, lm: LoadedModel, work: Callable[[ProgressFn], T], meta: dict | None = None, status=None) -> T | None:
+    def run(
+        self, lm: LoadedModel | None, work: Callable[[ProgressFn], T], meta: dict | None = None, status=None
+    ) -> T | None:
         """`work(on_progress)` under the model's lock (`run_exclusive`), with a progress bar showing
         `Progress.text()` (done, total, what runs, time so far and left). Each `Progress.row` is kept for a
         Cancel (rows with a `to_json` are kept as their JSON). A finished run drops the cancelled rows of the

@@ -28,6 +28,7 @@ PAGES = [
     "app_pages/perplexity.py",
     "app_pages/memory.py",
     "app_pages/drift.py",
+    "app_pages/probe.py",
 ]
 
 pytestmark = pytest.mark.model

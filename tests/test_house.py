@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvdemo.prefill_modes",
             "kvdemo.sizes",
             "kvdemo.contest",
+            "kvdemo.probe",
         ),
     ),
     ("findings", ("kvdemo.findings",)),

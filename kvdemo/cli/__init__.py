@@ -146,6 +146,36 @@ def build_parser() -> argparse.ArgumentParser:
     _prefill_mode_arg(p, "exact")
     p.set_defaults(func=_lazy("needle", "run_cli"), text=_lazy("needle", "format_text"))
 
+    p = sub.add_parser("probe", help="the needle grid asked of OpenAI-compatible endpoints, side by side")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        help="NAME=BASE_URL,MODEL[,KEY_ENV] (repeat for each endpoint); KEY_ENV names the environment variable "
+        "holding the key, never the key itself",
+    )
+    p.add_argument("--lengths", default="1024,4096,16384", help="prompt lengths in (estimated) tokens")
+    p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent")
+    p.add_argument("--kind", default="passkey", choices=["passkey", "multikey", "custom"])
+    p.add_argument("--document", default="", help="your own document as the haystack")
+    p.add_argument("--needle", default="", help="custom needle sentence")
+    p.add_argument("--question", default="", help="custom question")
+    p.add_argument("--answer", default="", help="custom expected answer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="run the grid with seeds seed .. seed+repeats-1")
+    p.add_argument("--concurrency", type=int, default=2, help="requests in flight per endpoint")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="seconds one request may take")
+    p.add_argument(
+        "--retries", type=int, default=3, help="retries of a request on 429, 5xx, timeouts, lost connections"
+    )
+    p.add_argument(
+        "--backoff-s", type=float, default=1.0, help="first retry's wait, doubled each retry (or Retry-After)"
+    )
+    p.add_argument("--max-tokens", type=_positive_int, default=32, help="answer tokens asked for")
+    p.add_argument("--out", default="", help="write the report: a .json file (the .csv beside it) or a folder")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_lazy("probe", "run_cli"), text=_lazy("probe", "format_text"))
+
     p = sub.add_parser("drift", help="attention-score drift of quantized vs full precision")
     _model_args(p)
     p.add_argument("--precision", default="int8,int4,int2")

@@ -81,7 +81,8 @@ def _needle_texts(rows: list[NeedleRow], precision: str, lengths: list, depths: 
         found = (
             ("ok" if runs[0].correct else "miss") if len(runs) == 1 else f"{sum(r.correct for r in runs)}/{len(runs)}"
         )
-        return f"{found}<br>{logp:.2f}" + _missed_label(len(runs), missed)
+        logp_text = "" if math.isnan(logp) else f"<br>{logp:.2f}"  # NaN: no log-prob came back (API probes)
+        return found + logp_text + _missed_label(len(runs), missed)
 
     return [[label(cells[(n, d)], misses.get((n, d), 0)) if (n, d) in cells else "" for n in lengths] for d in depths]
 

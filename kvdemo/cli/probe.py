@@ -1,0 +1,110 @@
+"""`python -m kvdemo probe`: the needle grid asked of OpenAI-compatible endpoints (kvdemo.probe.run_probe), its
+files and its text report."""
+
+from __future__ import annotations
+
+import datetime
+import shlex
+
+from ..needle import parse_numbers
+from ..probe import parse_endpoint, run_probe
+from ..results.needle import difference_line
+from ..results.probe import (
+    ProbeReport,
+    endpoint_differences,
+    errors,
+    failure_line,
+    found_rates,
+    partial_report,
+    rate_line,
+    save_report,
+)
+from .needle import read_document
+from .progress import printer
+
+
+def run_cli(args) -> ProbeReport:
+    """`python -m kvdemo probe --endpoint NAME=BASE_URL,MODEL[,KEY_ENV] ... [--lengths ...] [--depths ...]
+    [--kind ...] [--out probe.json]`; Ctrl-C keeps and writes the cells it finished."""
+    if not args.endpoint:
+        raise ValueError("give at least one --endpoint NAME=BASE_URL,MODEL[,KEY_ENV]")
+    endpoints = [parse_endpoint(e) for e in args.endpoint]
+    lengths = parse_numbers(args.lengths, "--lengths", int)
+    depths = parse_numbers(args.depths, "--depths", float)
+    document, name = None, "document"
+    if args.document:
+        name, document = read_document(args.document)
+    settings = dict(
+        kind=args.kind,
+        document=document,
+        document_name=name,
+        needle=args.needle,
+        question=args.question,
+        answer=args.answer,
+        seed=args.seed,
+        repeats=args.repeats,
+        concurrency=args.concurrency,
+        timeout_s=args.timeout_s,
+        retries=args.retries,
+        backoff_s=args.backoff_s,
+        max_tokens=args.max_tokens,
+    )
+    seen: list = []
+    show = printer()
+
+    def on_progress(p) -> None:
+        if p.row is not None:
+            seen.append(p.row)
+        show(p)
+
+    try:
+        report = run_probe(endpoints, lengths, depths, on_progress=on_progress,
+                           **settings)  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl-C: keep what finished
+        report = partial_report(_empty(endpoints, lengths, depths, args), seen, 0.0)
+    report.provenance = {"command": _command(args), "date": datetime.date.today().isoformat()}
+    if args.out:
+        save_report(report, args.out)
+    return report
+
+
+def _empty(endpoints, lengths, depths, args) -> ProbeReport:
+    return ProbeReport(
+        endpoints=[e.to_json() for e in endpoints],
+        kind=args.kind,
+        haystack="",
+        lengths=sorted(lengths),
+        depths=depths,
+        seed=args.seed,
+        repeats=args.repeats,
+        cells=[],
+        seconds=0.0,
+    )
+
+
+def _command(args) -> str:
+    """The command line that reproduces the probe (key variables by name; the keys are never on it)."""
+    parts = ["python -m kvdemo probe"] + [f"--endpoint {shlex.quote(e)}" for e in args.endpoint]
+    parts += [f"--lengths {args.lengths}", f"--depths {args.depths}", f"--kind {args.kind}"]
+    for flag, value in (("--document", args.document), ("--needle", args.needle), ("--question", args.question),
+                        ("--answer", args.answer)):  # fmt: skip
+        if value:
+            parts.append(f"{flag} {shlex.quote(value)}")
+    parts += [f"--seed {args.seed}", f"--repeats {args.repeats}", f"--concurrency {args.concurrency}"]
+    return " ".join(parts)
+
+
+def format_text(report: ProbeReport) -> str:
+    lines = [f"probe: {report.kind}, {len(report.cells)} of {report.planned_cells} cells ({report.stopped})"]
+    lines += [f"  {e['name']}: {e['base_url']} model {e['model']}" for e in report.endpoints]
+    lines += [rate_line(r) for r in found_rates(report.cells)]
+    lines += ["", "by length:"] + [rate_line(r) for r in found_rates(report.cells, "length")]
+    lines += ["", "by depth:"] + [rate_line(r) for r in found_rates(report.cells, "depth")]
+    diffs = endpoint_differences(report)
+    if diffs:
+        lines += ["", *[difference_line(d) for d in diffs]]
+    failures = errors(report.cells)
+    if failures:
+        lines += ["", "failures:"] + [f"  {failure_line(f)}" for f in failures]
+    lines += ["", *report.notes]
+    return "\n".join(lines)
