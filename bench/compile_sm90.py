@@ -131,7 +131,53 @@ def main_loop(sass: str) -> dict:
         if predicated and begin <= addr < target <= end:
             skipped.update(a for a, _ in code if addr < a < target)
     body = [a for a, _ in code if begin <= a <= end]
-    return {"loop_instructions": len(body) - len(skipped), "loop_conditional": len(skipped)}
+    steady = [text for a, text in code if begin <= a <= end and a not in skipped]
+    return {
+        "loop_instructions": len(body) - len(skipped),
+        "loop_conditional": len(skipped),
+        "loop_mix": loop_mix(steady),
+    }
+
+
+# the loop's instruction mix: SASS opcodes by what they cost a memory-bound loop (the first word after any
+# predicate; LDGSTS is the asynchronous global -> shared copy, LDG a load the warp waits for in registers)
+MIX = {
+    "moves": ("MOV", "MOV32I", "SHFL"),
+    "prmt": ("PRMT",),
+    "shared_loads": ("LDS", "LDSM"),
+    "shared_stores": ("STS",),
+    "barriers": ("BAR",),
+    "mma": ("HMMA", "IMMA", "HGMMA", "QGMMA"),
+    "global_loads": ("LDG",),
+    "async_copies": ("LDGSTS",),
+}
+
+
+def loop_mix(instructions: list[str]) -> dict:
+    """Counts of each `MIX` class among SASS instruction texts (one iteration's steady path)."""
+    counts = dict.fromkeys(MIX, 0)
+    for text in instructions:
+        words = text.split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        opcode = words[0].split(".")[0] if words else ""
+        for kind, opcodes in MIX.items():
+            if opcode in opcodes:
+                counts[kind] += 1
+    return counts
+
+
+SM90_LIMITS = {"registers": 65536, "shared_bytes": 228 * 1024, "warps": 64, "blocks": 32}
+
+
+def warps_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: dict = SM90_LIMITS) -> int:
+    """Warps resident on one SM for a kernel of this many registers per thread (allocated in units of 8 per
+    thread, 256 per warp) and shared bytes per block: the blocks that fit every limit, times warps per block."""
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = limits["registers"] // (regs_per_warp * num_warps)
+    by_shared = limits["shared_bytes"] // max(shared_bytes + 1024, 1)  # 1 KiB a block reserved by the runtime
+    blocks = min(by_regs, by_shared, limits["blocks"], limits["warps"] // num_warps)
+    return blocks * num_warps
 
 
 def compile_one(
@@ -154,7 +200,9 @@ def compile_one(
         options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion},
     )
     row = {"compile_s": round(time.perf_counter() - started, 2), "shared_bytes": kernel.metadata.shared}
-    return row | resources(kernel.asm["cubin"]) | global_loads(kernel.asm["ptx"])
+    row |= resources(kernel.asm["cubin"]) | global_loads(kernel.asm["ptx"])
+    row["warps_per_sm"] = warps_per_sm(row["registers"], row["shared_bytes"], num_warps)
+    return row
 
 
 def global_loads(ptx: str) -> dict:
@@ -435,8 +483,15 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{what} regs {row['registers']:>3}  spill stores {row['spill_stores']:>3}  "
                 f"shared {row['shared_bytes'] / 1024:5.1f} KiB  async copies {copies or '-':<14} mma {row['mma']:>3}  "
-                f"({row['compile_s']:.1f} s)"
+                f"warps/SM {row['warps_per_sm']:>2}  ({row['compile_s']:.1f} s)"
             )
+            if row["kernel"] == "decode" and row["loop_instructions"]:
+                mix = row["loop_mix"]
+                print(
+                    f"{'':>8} loop: {row['loop_instructions']} instructions; moves {mix['moves']}, PRMT {mix['prmt']}, "
+                    f"shared loads {mix['shared_loads']} / stores {mix['shared_stores']}, barriers {mix['barriers']}, "
+                    f"MMA {mix['mma']}, global loads {mix['global_loads']} (async copies {mix['async_copies']})"
+                )
     spilled = [r for r in rows if r.get("spill_stores", 0) > 0]
     batch, context = GOAL_POINT
     print(f"\nDecode at Llama-8B shapes, batch {batch}, context {context}, on an H200 (floors, not measurements):")

@@ -355,6 +355,24 @@ def test_methods_compile_table_is_the_compile_report():
         assert _printed(issue, r["issue_per_token"])
 
 
+def test_goal_point_loop_table_is_the_compile_report():
+    """The goal-point variants' loop mix against a memory-bound loop's budgets, from the shipped compile report."""
+    page, report = _page("kernels.md"), _report("compile_sm90_quick.json")
+    header = ["goal-point variant", "registers", "warps per SM", "loop instructions", "moves", "PRMT"]
+    header += ["shared loads / stores", "barriers", "MMA", "global loads (async copies)", "issue floor ms"]
+    at, rows = _table(page, [*header, "memory floor ms"])
+    _says_date(page, at, report["date"], within=6000)
+    goal = {r["format"]: r for r in report["rows"] if "goal_floors" in r}
+    assert [row[0] for row in rows] == list(goal)
+    for fmt, regs, warps, loop, moves, prmt, shared, barriers, mma, loads, issue, memory in rows:
+        r, m = goal[fmt], goal[fmt]["loop_mix"]
+        assert (int(regs), int(warps), int(loop)) == (r["registers"], r["warps_per_sm"], r["loop_instructions"])
+        assert (int(moves), int(prmt), int(barriers), int(mma)) == (m["moves"], m["prmt"], m["barriers"], m["mma"])
+        assert shared == f"{m['shared_loads']} / {m['shared_stores']}"
+        assert loads == f"{m['global_loads']} ({m['async_copies']})"
+        assert _printed(issue, r["goal_floors"]["issue_ms"]) and _printed(memory, r["goal_floors"]["memory_ms"])
+
+
 # --- KVQuant's methods (docs/methods.md) -----------------------------------------------------------------
 
 

@@ -183,8 +183,36 @@ def test_main_loop_counts_the_steady_path():
         "EXIT",
     ]
     sass = "\n".join(f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(lines))
-    assert main_loop(sass) == {"loop_instructions": 6, "loop_conditional": 2}
+    loop = main_loop(sass)
+    assert (loop["loop_instructions"], loop["loop_conditional"]) == (6, 2)
+    # the steady path's mix: the skipped LDG is not in it; the HMMA and one MOV are
+    assert loop["loop_mix"] == {
+        "moves": 1, "prmt": 0, "shared_loads": 0, "shared_stores": 0, "barriers": 0, "mma": 1, "global_loads": 0,
+        "async_copies": 0,
+    }  # fmt: skip
     assert main_loop("        /*0000*/   EXIT ;") == {"loop_instructions": 0, "loop_conditional": 0}
+
+
+def test_loop_mix_classifies_opcodes_past_predicates_and_modifiers():
+    mix = _compile_sm90().loop_mix(
+        ["@P0 LDG.E.128 R4, desc[UR4][R2.64]", "LDGSTS.E.BYPASS.128 [R1], desc[UR6][R8.64]", "BAR.SYNC.DEFER_BLOCKING 0x0",
+         "PRMT R3, R4, 0x7604, R5", "LDSM.16.M88.4 R8, [R9]", "STS.128 [R1], R4", "HMMA.16816.F32 R8, R12, R16, R8",
+         "MOV R1, R2", "FADD R1, R2, R3"]
+    )  # fmt: skip
+    assert mix == {
+        "moves": 1, "prmt": 1, "shared_loads": 1, "shared_stores": 1, "barriers": 1, "mma": 1, "global_loads": 1,
+        "async_copies": 1,
+    }  # fmt: skip
+
+
+def test_warps_per_sm_follows_registers_and_shared_memory():
+    """213 registers x 4 warps: 2 blocks by registers (8 warps per SM); 128 registers: 4 blocks; a block of
+    100 KiB shared memory: 2 by shared memory."""
+    warps_per_sm = _compile_sm90().warps_per_sm
+    assert warps_per_sm(213, 10 * 1024, 4) == 8
+    assert warps_per_sm(128, 10 * 1024, 4) == 16
+    assert warps_per_sm(64, 100 * 1024, 4) == 8
+    assert warps_per_sm(32, 0, 4) == 64  # the SM's warp limit
 
 
 def test_compile_check_sees_spills(tmp_path):
