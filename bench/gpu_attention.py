@@ -129,7 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="end-to-end models: embedded, a hub id or folder, random:<assets/model_configs name> ('' to skip); "
         "default embedded,random:llama-3.1-8b (smoke: embedded)",
     )
-    p.add_argument("--e2e-prompt", type=int, default=None, help="prompt tokens, default 4096 (smoke: 48)")
+    p.add_argument(
+        "--e2e-prompt", default=None, help="prompt tokens, a list (e.g. 4096,32768); default 4096 (smoke: 48)"
+    )
     p.add_argument("--e2e-tokens", type=int, default=None, help="new tokens per run, default 64 (smoke: 2)")
     p.add_argument("--e2e-precisions", default=None, help="default full,int8,int4 (smoke: full,int4)")
     p.add_argument(
@@ -433,6 +435,11 @@ def e2e_model_and_prompt(source: str, device: torch.device, n_tokens: int, new_t
     return lm, prose_ids(lm, min(n_tokens, lm.max_context - new_tokens))
 
 
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def kvdemo_decode(lm, ids: list[int], spec, backend: str, args, device: torch.device) -> dict:
     """Prefill and greedy decode through kvdemo's cache: backend "torch", "triton" (eager steps) or
     "triton+graphs" (steps between flushes replayed from a CUDA graph); one warm-up run first."""
@@ -445,6 +452,7 @@ def kvdemo_decode(lm, ids: list[int], spec, backend: str, args, device: torch.de
     try:
         runner.run_precision(lm, ids[: 2 * args.group + 8], spec, 4)  # warm-up: compile, allocate, capture
         _sync(device)
+        _reset_peak(device)
         gen = runner.run_precision(lm, ids, spec, args.e2e_tokens)
         _sync(device)
     finally:
@@ -486,6 +494,7 @@ def hf_decode(lm, ids: list[int], kind: str, new_tokens: int, device: torch.devi
 
     with attention_impl(lm, "sdpa"):
         run(2)  # warm-up
+        _reset_peak(device)
         prefill_s, _ = run(1)
         total_s, tokens = run(new_tokens)
     decode_s = max(total_s - prefill_s, 1e-9)
@@ -505,12 +514,14 @@ def bench_e2e(device: torch.device, args) -> list[dict]:
     rows = []
     suffix = f":g{args.group}:r{args.residual}"
     for source in _names(args.models):
+        prompts = _ints(str(args.e2e_prompt))
         try:
-            lm, ids = e2e_model_and_prompt(source, device, args.e2e_prompt, args.e2e_tokens)
+            lm, longest = e2e_model_and_prompt(source, device, max(prompts), args.e2e_tokens)
         except ValueError as err:  # a model that is not there (the embedded one on the device machine)
             rows.append({"model": source, "error": str(err)})
             continue
-        for name in _names(args.e2e_precisions):
+        for n_prompt, name in ((n, name) for n in prompts for name in _names(args.e2e_precisions)):
+            ids = longest[:n_prompt]
             spec = parse_precision(name if name == "full" else name + suffix)
             tokens_by_backend = {}
             for backend in _names(args.e2e_backends):
@@ -520,6 +531,8 @@ def bench_e2e(device: torch.device, args) -> list[dict]:
                     row = hf_decode(lm, ids, backend.removeprefix("hf-"), args.e2e_tokens, device)
                 else:
                     row = kvdemo_decode(lm, ids, spec, backend, args, device)
+                if device.type == "cuda":  # the run's peak (reset by the decode functions), weights included
+                    row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
                 tokens_by_backend[backend] = row.pop("tokens")
                 base = {"model": lm.name, "source": source, "dtype": str(lm.dtype).removeprefix("torch.")}
                 rows.append(base | {"precision": spec.label, "backend": backend, "prompt_tokens": len(ids)} | row)
