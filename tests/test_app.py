@@ -618,6 +618,28 @@ def test_rejected_needle_setting_leaves_no_progress_bar():
     assert not at.get("progress")
 
 
+def test_pages_without_model_work_render_while_another_session_holds_the_model():
+    """Home, Memory on a reference config and Findings with the shipped report never take the model's lock:
+    they render in full while another session generates (here: holds the lock), which they outlast."""
+    lm = app_model()
+    assert lm.lock.acquire(timeout=60)
+    try:
+        at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=120)  # a timeout fails, never hangs
+        at.run()
+        assert not at.exception, at.exception
+        assert any(m.label == "KV bytes/token at int4" for m in at.metric)  # Home, all of it
+        at.switch_page("app_pages/memory.py").run()
+        assert not at.exception and at.selectbox(key="hr_model").value == "llama-3.1-8b"
+        assert at.get("plotly_chart") or at.dataframe  # the headroom plan drawn
+        at.switch_page("app_pages/findings.py").run()
+        assert not at.exception
+        assert any("Showing the shipped report" in c.value for c in at.caption)
+        assert len(at.dataframe) >= 1  # the verdicts table
+        assert lm.lock.locked()  # still held by the other session: nothing waited for it
+    finally:
+        lm.lock.release()
+
+
 def test_a_bad_needle_grid_shows_its_error_and_no_time_estimate():
     """Settings are checked before the time is estimated: a grid that cannot run shows why, and no time."""
     at = start("app_pages/needle.py")
