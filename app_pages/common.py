@@ -495,11 +495,14 @@ class LongRun:
         self.key, self.run_label, self.cancel_help = key, run_label, cancel_help
         self.task = task  # the `kvdemo.rates` task whose speed this run measures and its hint uses
         self.expected_s: float | None = None
+        self._hint: tuple | None = None  # (lm, tokens, what, slot) of the caption `hint` drew
         self._keep_cancelled_rows()
 
     def hint(self, lm: LoadedModel, tokens: float, what: str, where=st) -> None:
-        """The caption of `time_hint` for this run's task; the run's progress bar starts from its estimate."""
-        self.expected_s = time_hint(lm, self.task, tokens, what, where)
+        """The caption of `time_hint` for this run's task; the run's progress bar starts from its estimate, and
+        once the run ends the caption is redrawn from the speed it measured."""
+        self._hint = (lm, tokens, what, where.empty())
+        self.expected_s = time_hint(lm, self.task, tokens, what, self._hint[-1])
 
     def _keep_cancelled_rows(self) -> None:
         partial = st.session_state.get(f"{self.key}_partial")
@@ -543,6 +546,9 @@ class LongRun:
         finally:
             bar_slot.empty()
             record_speed(lm, self.task, seen)
+        if self._hint is not None and seen:
+            hint_lm, tokens, what, slot = self._hint
+            slot.caption(rates.hint(hint_lm, self.task, tokens, what))
         # the run ended here (finished, or refused with a message): no rows to keep. A Cancel click stops the
         # script inside `work` instead, and the rerun it starts keeps the partial rows (`_keep_cancelled_rows`)
         st.session_state.pop(f"{self.key}_partial", None)

@@ -2,7 +2,7 @@
 
 A long run (a needle grid, a perplexity run, a drift run, a chat turn's reading) counts its work in tokens
 (`kvdemo.progress`); when it ends, `record` stores its seconds per token in a small JSON file under the cache
-folder (`configs.cache_dir() / "rates.json"`), keyed by this machine (`machine_key`: CPU model, core count,
+folder (`configs.cache_dir() / "rates.json"`, or `KVDEMO_RATES_FILE`), keyed by this machine (`machine_key`: CPU model, core count,
 GPU), the model, device, dtype and the task. Before a run, `hint` multiplies the planned tokens by the median
 of that key's last `KEEP` runs and says so ("from this machine's last 3 runs"). With no run of the task
 measured here yet, the rate comes from a quick probe of this machine (`probe_rates`: a short read and a few
@@ -68,7 +68,8 @@ def machine_key(lm) -> str:
 
 
 def _path() -> Path:
-    return cache_dir() / RATES_FILE
+    """The rates file: `KVDEMO_RATES_FILE` when set (a test server's own), else in the cache folder."""
+    return Path(os.environ.get("KVDEMO_RATES_FILE") or cache_dir() / RATES_FILE)
 
 
 def _load() -> dict[str, dict[str, list[float]]]:
