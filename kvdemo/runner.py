@@ -341,9 +341,14 @@ def layer_progress(lm: LoadedModel, on_layer: Callable[[int, int], None] | None)
     if on_layer is None or not layers:
         yield
         return
-    hooks = [
-        layer.register_forward_hook(lambda *_, i=i: on_layer(i + 1, len(layers))) for i, layer in enumerate(layers)
-    ]
+
+    def hook(index: int):
+        def after(*_) -> None:  # returns None: the layer's output stays as it is
+            on_layer(index + 1, len(layers))
+
+        return after
+
+    hooks = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
     try:
         yield
     finally:

@@ -70,3 +70,20 @@ def test_before_the_first_unit_the_time_left_is_the_estimate_made_before_the_run
     seen = []
     Tracker(10, "tokens", seen.append, expected_s=12.0).report("starting")
     assert seen[0].expected_s == 12.0
+
+
+@pytest.mark.model
+def test_reading_a_document_moves_layer_by_layer_with_the_tokens_read(lm):
+    """A chat's first read reports within each prefill chunk, per decoder layer, not once per chunk."""
+    from kvdemo.chat.session import ChatSession
+    from kvdemo.texts import prose
+
+    session = ChatSession(lm, "int4", prose()[:3000], prefill_chunk=256)
+    read = []
+    session.prepare(on_progress=read.append)
+    counts = [p.done for p in read]
+    assert counts == sorted(counts) and counts[-1] == read[-1].total
+    assert session.tokens_to_read() == 0  # all read: a first turn's hint counts only the question
+    assert len(set(counts)) > 2 * lm.num_layers  # several chunks, each moving layer by layer
+    assert all(c == int(c) for c in counts)  # whole tokens: a chunk's layers share its tokens exactly
+    assert read[0].what.startswith("full: reading tokens 1-256 of ")

@@ -65,7 +65,7 @@ def _layer_counter(track: Tracker | None, what: str, tokens: int):
     """An `on_layer` for `runner.layer_progress`: each decoder layer counts its share of the chunk's tokens."""
     if track is None:
         return None
-    return lambda done, layers: track.advance(what, units=tokens / layers)
+    return lambda done, layers: track.advance(what, units=tokens * done // layers - tokens * (done - 1) // layers)
 
 
 def free_memory(device: torch.device) -> None:
