@@ -8,8 +8,9 @@ import html
 import streamlit as st
 
 from app_pages import common
+from kvdemo import rates
 from kvdemo.chat.lane import Answer
-from kvdemo.chat.session import ChatError, ChatSession, Turn, divergence_split
+from kvdemo.chat.session import ChatError, ChatSession, Turn, divergence_split, work_done
 from kvdemo.prefill_modes import MODE_HELP
 from kvdemo.progress import Cancelled, Progress
 from kvdemo.runner import PREFILL_MODES
@@ -123,12 +124,14 @@ def show_turn(turn: Turn, boxes: list | None = None) -> None:
 for past in session.turns:
     show_turn(past)
 
+to_read = session.tokens_to_read()
+expected_s = None
+if to_read > 50:  # the document still to read: the long part of a first turn
+    expected_s = common.time_hint(lm, "chat-read", to_read, f"reading {to_read:,} tokens (both precisions)")
 status = st.empty()
 progress = st.empty()
-
-
-def on_progress(p: Progress) -> None:
-    progress.progress(p.fraction, text=p.text())
+seen: list[Progress] = []
+on_progress = common.timed_bar(progress, expected_s, seen)  # tokens read so far, time left
 
 
 def on_wait(seconds: float) -> None:
@@ -144,6 +147,8 @@ if read_now:
         st.info("Stopped.")
     else:
         status.success("Document read: " + ", ".join(f"{k} {v:,} tokens" for k, v in fed.items()))
+    finally:
+        common.record_speed(lm, "chat-read", seen)
     progress.empty()
 
 question = st.chat_input("Ask about the document", key="chat_input", submit_mode="stop")
@@ -163,6 +168,7 @@ if question:
 
     try:
         turn = session.ask(question, max_new, on_token=on_token, on_progress=on_progress, on_wait=on_wait)
+        rates.record(lm, "chat-answer", *work_done(turn.answers)["chat-answer"])
     except ChatError as err:
         status.error(f"{err}. Your chat and document are kept.")
     except Cancelled:
@@ -173,5 +179,7 @@ if question:
         status.empty()
         progress.empty()
         show_turn(turn, boxes)
+    finally:
+        common.record_speed(lm, "chat-read", seen)
 elif not session.turns:
     st.info("Ask a question about the document below.")

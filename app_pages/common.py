@@ -10,6 +10,7 @@ see each other's data; the loaded model is shared through `st.cache_resource` an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import html
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import pandas as pd
 import streamlit as st
 import torch
 
-from kvdemo import formats, runner
+from kvdemo import formats, rates, runner
 from kvdemo.chat.session import quantized_presets
 from kvdemo.documents import DocumentError, HeldDocument, document_budget, extract_bytes, hold_document, truncation_note
 from kvdemo.models import DTYPES, LoadedModel, ModelLoadError, load_model, model_lock
@@ -449,6 +450,37 @@ def run_exclusive(lm: LoadedModel | None, work: Callable[[], T], status=None) ->
     return None
 
 
+def time_hint(lm: LoadedModel, task: str | None, tokens: float, what: str, where=st) -> float | None:
+    """A caption with the time `tokens` of `task` work should take here (`kvdemo.rates.hint`): from this
+    machine's last runs of the task, else a quick probe of the machine (run now when the model is free), else a
+    stated first guess. Returns the estimate in seconds (None without a task)."""
+    if task is None:
+        return None
+    if rates.needs_probe(lm, task):
+        runner.probe_speed(lm)  # a fraction of a second; skipped while another session holds the model
+    where.caption(rates.hint(lm, task, tokens, what))
+    return rates.estimate(lm, task, tokens)
+
+
+def timed_bar(bar, expected_s: float | None, seen: list[Progress]) -> ProgressFn:
+    """A `ProgressFn` that moves `bar` with `Progress.text()` (time left from this run's speed, from
+    `expected_s` until its first unit is done) and keeps the latest `Progress` in `seen` for `record_speed`."""
+
+    def show(p: Progress) -> None:
+        if p.expected_s is None:
+            p = dataclasses.replace(p, expected_s=expected_s)
+        seen[:] = [p]
+        bar.progress(p.fraction, text=p.text())
+
+    return show
+
+
+def record_speed(lm: LoadedModel, task: str | None, seen: list[Progress]) -> None:
+    """Remember the speed of the work a run did (finished or stopped) as this machine's for `task`."""
+    if task is not None and seen:
+        rates.record(lm, task, seen[-1].done, seen[-1].elapsed_s)
+
+
 class LongRun:
     """A page's long run with Run and Cancel: a progress bar fed by `kvdemo.progress.Progress`, and the rows
     finished before a Cancel kept beside the last complete result, never in its place.
@@ -462,9 +494,18 @@ class LongRun:
             out = job.run(lm, lambda on_progress: run_grid(..., on_progress=on_progress), meta)
     """
 
-    def __init__(self, key: str, run_label: str, cancel_help: str):
+    def __init__(self, key: str, run_label: str, cancel_help: str, task: str | None = None):
         self.key, self.run_label, self.cancel_help = key, run_label, cancel_help
+        self.task = task  # the `kvdemo.rates` task whose speed this run measures and its hint uses
+        self.expected_s: float | None = None
+        self._hint: tuple | None = None  # (lm, tokens, what, slot) of the caption `hint` drew
         self._keep_cancelled_rows()
+
+    def hint(self, lm: LoadedModel, tokens: float, what: str, where=st) -> None:
+        """The caption of `time_hint` for this run's task; the run's progress bar starts from its estimate, and
+        once the run ends the caption is redrawn from the speed it measured."""
+        self._hint = (lm, tokens, what, where.empty())
+        self.expected_s = time_hint(lm, self.task, tokens, what, self._hint[-1])
 
     def _keep_cancelled_rows(self) -> None:
         partial = st.session_state.get(f"{self.key}_partial")
@@ -496,17 +537,23 @@ class LongRun:
         partial = {"meta": dict(meta or {}), "rows": [], "seconds": 0.0}
         st.session_state[f"{self.key}_partial"] = partial
         bar = bar_slot.progress(0.0, text="starting...")
+        seen: list[Progress] = []
+        show = timed_bar(bar, self.expected_s, seen)
 
         def on_progress(p: Progress) -> None:
             if p.row is not None:
                 partial["rows"].append(p.row.to_json() if hasattr(p.row, "to_json") else p.row)
             partial["seconds"] = round(p.elapsed_s, 2)
-            bar.progress(p.fraction, text=p.text())
+            show(p)
 
         try:
             out = run_exclusive(lm, lambda: work(on_progress), status)
         finally:
             bar_slot.empty()
+            record_speed(lm, self.task, seen)
+        if self._hint is not None and seen:
+            hint_lm, tokens, what, slot = self._hint
+            slot.caption(rates.hint(hint_lm, self.task, tokens, what))
         # the run ended here (finished, or refused with a message): no rows to keep. A Cancel click stops the
         # script inside `work` instead, and the rerun it starts keeps the partial rows (`_keep_cancelled_rows`)
         st.session_state.pop(f"{self.key}_partial", None)

@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import drift, prefill_modes, progress
+from kvdemo import drift, prefill_modes
 from kvdemo.figures.drift import (
     drift_js_heatmap_figure,
     drift_layer_figure,
@@ -53,7 +53,7 @@ prefill_mode = st.radio(
 )
 run = st.button("Run drift", key="drift_run", type="primary")
 planned = drift.planned_work_tokens(tokens, new_tokens, len(picked))
-st.caption(progress.hint(lm, "drift", planned, f"{tokens:,} tokens at {len(picked) + 1} precisions"))
+expected_s = common.time_hint(lm, "drift", planned, f"{tokens:,} tokens at {len(picked) + 1} precisions")
 
 
 def prompt_now() -> tuple[list[int], int]:
@@ -71,6 +71,7 @@ if run:
         st.error("pick at least one quantized precision")
     else:
         status, bar_slot = st.empty(), st.empty()
+        seen = []
 
         def work() -> DriftReport:
             prompt, n = prompt_now()
@@ -80,11 +81,9 @@ if run:
                 prompt,
                 parse_precision_list(",".join(picked)),
                 new_tokens,
-                on_progress=lambda p: bar.progress(p.fraction, text=p.text()),
+                on_progress=common.timed_bar(bar, expected_s, seen),
                 prefill_mode=prefill_mode,
             )
-            done = drift.work_tokens(report.prompt_tokens, report.new_tokens, len(report.results))
-            progress.record(lm, "drift", done, report.seconds)
             report.document, report.tokens = doc["name"] if doc else "Pride and Prejudice", n
             return report
 
@@ -92,6 +91,7 @@ if run:
             result = common.run_exclusive(lm, work, status)
         finally:
             bar_slot.empty()
+            common.record_speed(lm, "drift", seen)
         if result is not None:
             st.session_state["drift_result"] = result
 

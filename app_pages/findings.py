@@ -25,7 +25,9 @@ VERDICT_COLORS = {True: "green", False: "red", None: "gray"}
 
 st.title("Findings: what KV-cache quantization buys and costs, measured")
 
-job = common.LongRun("findings", "Re-run on the loaded model", "Stops the run; the finished measurements are kept")
+job = common.LongRun(
+    "findings", "Re-run on the loaded model", "Stops the run; the finished measurements are kept", task="findings"
+)
 shipped = results.load()
 cancelled = job.cancelled()
 if cancelled is not None:  # the last re-run was cancelled: what it finished is shown
@@ -65,10 +67,11 @@ config = results.capacity_config(cfg_name, gpu_name, int(n_gpus), int(context))
 lm = common.model()
 c1, c2 = st.columns([3, 3])
 clicked = job.buttons(c1)
-quick = c2.toggle("Quick sizes (minutes; the full report takes ~30 min on 2 cores)", value=True, key="findings_quick")
+quick = c2.toggle("Quick sizes", value=True, key="findings_quick")
+sizes = run.SIZES[os.environ.get("KVDEMO_FINDINGS_QUICK_SIZES", "quick")] if quick else run.FULL
+job.hint(lm, run.planned_tokens(lm, sizes), "the measurements not cached yet, at most")
 
 if clicked:
-    sizes = run.SIZES[os.environ.get("KVDEMO_FINDINGS_QUICK_SIZES", "quick")] if quick else run.FULL
     try:
         the_plan = run.plan(lm, sizes=sizes, config=config)  # the texts and the empty report: tokenizer work only
     except FindingsError as err:

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import needle, prefill_modes, progress
+from kvdemo import needle, prefill_modes
 from kvdemo.figures.needle import FULL_MISSED, needle_difference_figure, needle_heatmap_figure, needle_logprob_figure
 from kvdemo.needle import KINDS, MAX_REPEATS, NeedleError, parse_numbers
 from kvdemo.results.labels import label, readable
@@ -50,7 +50,7 @@ defaults = {
     "needle_text": "The secret ingredient of the soup is cardamom.",
     "needle_question": "What is the secret ingredient of the soup?",
     "needle_answer": "cardamom",
-    "needle_prefill_mode": "exact",
+    "needle_prefill_mode": "chunked",
 }
 for key, value in defaults.items():
     common.persist(key, value)
@@ -105,64 +105,69 @@ def grid_numbers() -> tuple[list[int], list[float]]:
     return lengths, parse_numbers(st.session_state["needle_depths"], "depths", float)
 
 
-try:
-    lengths, depths = grid_numbers()
-    settings_error = None
-except NeedleError as err:
-    lengths, depths, settings_error = [], [], str(err)
 custom = kind == "custom"
 use_doc = hay == "document" and doc is not None
-
-job = common.LongRun("needle", "Run grid", "Stops the grid; the cells finished so far are kept")
-run = job.buttons()
 repeats = int(st.session_state["needle_repeats"])
-if settings_error is None:
-    planned = needle.work_tokens(lengths, depths, ["full", *picked], repeats)
-    st.caption(progress.hint(lm, "needle", planned, "this grid"))
+try:
+    lengths, depths = grid_numbers()
+    needle.check_grid(
+        lm,
+        lengths,
+        depths,
+        repeats,
+        kind,
+        needle=st.session_state["needle_text"] if custom else "",
+        question=st.session_state["needle_question"] if custom else "",
+        answer=st.session_state["needle_answer"] if custom else "",
+    )
+    settings_error = None if picked else "pick at least one precision"
+except NeedleError as err:
+    lengths, depths, settings_error = [], [], str(err)
 
-if run:
+job = common.LongRun("needle", "Run grid", "Stops the grid; the cells finished so far are kept", task="needle")
+run = job.buttons()
+if settings_error is not None:  # checked before any estimate: a grid that cannot run has no time
+    st.error(settings_error)
+else:
+    job.hint(lm, needle.work_tokens(lengths, depths, ["full", *picked], repeats), "this grid")
+
+if run and settings_error is None:
     status = st.empty()
-    if settings_error is not None or not picked:
-        status.error(settings_error or "pick at least one precision")
-    else:
-        settings = NeedleGrid(
-            model=lm.name,
+    settings = NeedleGrid(
+        model=lm.name,
+        kind=kind,
+        haystack=doc["name"] if use_doc else "built in",
+        seed=int(st.session_state["needle_seed"]),
+        lengths=lengths,
+        depths=depths,
+        precisions=[s.label for s in needle.specs_with_full(["full", *picked])],
+        rows=[],
+        seconds=0.0,
+        prefill_mode=prefill_mode,
+        repeats=repeats,
+    )
+
+    def work(on_progress) -> NeedleGrid:
+        return needle.run_grid(
+            lm,
+            lengths,
+            depths,
+            settings.precisions,
             kind=kind,
-            haystack=doc["name"] if use_doc else "built in",
-            seed=int(st.session_state["needle_seed"]),
-            lengths=lengths,
-            depths=depths,
-            precisions=[s.label for s in needle.specs_with_full(["full", *picked])],
-            rows=[],
-            seconds=0.0,
-            prefill_mode=prefill_mode,
+            document=doc["text"] if use_doc else None,
+            document_name=doc["name"] if use_doc else "document",
+            needle=st.session_state["needle_text"] if custom else "",
+            question=st.session_state["needle_question"] if custom else "",
+            answer=st.session_state["needle_answer"] if custom else "",
+            seed=settings.seed,
             repeats=repeats,
+            on_progress=on_progress,
+            prefill_mode=prefill_mode,
         )
 
-        def work(on_progress) -> NeedleGrid:
-            grid = needle.run_grid(
-                lm,
-                lengths,
-                depths,
-                settings.precisions,
-                kind=kind,
-                document=doc["text"] if use_doc else None,
-                document_name=doc["name"] if use_doc else "document",
-                needle=st.session_state["needle_text"] if custom else "",
-                question=st.session_state["needle_question"] if custom else "",
-                answer=st.session_state["needle_answer"] if custom else "",
-                seed=settings.seed,
-                repeats=repeats,
-                on_progress=on_progress,
-                prefill_mode=prefill_mode,
-            )
-            done = needle.work_tokens(grid.lengths, grid.depths, grid.precisions, grid.runs_per_cell)
-            progress.record(lm, "needle", done, grid.seconds)
-            return grid
-
-        result = job.run(lm, work, settings.to_json(), status)
-        if result is not None:
-            st.session_state["needle_result"] = result
+    result = job.run(lm, work, settings.to_json(), status)
+    if result is not None:
+        st.session_state["needle_result"] = result
 
 
 def show(grid: NeedleGrid, key: str = "needle") -> None:

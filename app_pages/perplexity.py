@@ -4,13 +4,12 @@ The work is `kvdemo.ppl.run_ppl`, as `python -m kvdemo ppl` runs it; its report 
 `kvdemo.results.ppl`, the figure `kvdemo.figures.ppl`."""
 
 import json
-import time
 
 import pandas as pd
 import streamlit as st
 
 from app_pages import common
-from kvdemo import ppl, progress
+from kvdemo import ppl
 from kvdemo.documents import token_ids
 from kvdemo.figures.ppl import ppl_frontier_figure
 from kvdemo.results.ppl import HELD_OUT_NAME, PplRow, interval_note, result_rows, size_note
@@ -47,13 +46,13 @@ picked = common.precision_picker(
     c2,
     leave_out=("full",),
 )
-job = common.LongRun("ppl", "Run", "Stops the run; the precisions finished so far are kept")
+job = common.LongRun("ppl", "Run", "Stops the run; the precisions finished so far are kept", task="ppl")
 run = job.buttons(disabled=tokens is None)
 if tokens is not None:
     prefix = ppl.default_prefix(tokens)
     planned_tokens = ppl.work_tokens(tokens, prefix, len(picked))
     what = f"{tokens:,} tokens at {len(picked) + 1} precisions ({prefix:,} stored exactly, {tokens - prefix:,} decoded)"
-    st.caption(progress.hint(lm, "ppl", planned_tokens, what))
+    job.hint(lm, planned_tokens, what)
 
 if run:
     if not picked:
@@ -62,12 +61,10 @@ if run:
         name = doc["name"] if doc else HELD_OUT_NAME
         text = (name, doc_ids) if doc else None
         meta = {"text": name, "tokens": tokens, "planned": len(picked) + 1}
-        start = time.perf_counter()
         out = job.run(
             lm, lambda on_progress: ppl.run_ppl(lm, picked, tokens, prefix, text=text, on_progress=on_progress), meta
         )
         if out is not None:
-            progress.record(lm, "ppl", planned_tokens, time.perf_counter() - start)
             st.session_state["ppl_result"] = out
 
 cancelled = job.cancelled()

@@ -196,7 +196,7 @@ def passkey_rows(lm, repeats: int) -> dict:
     from kvdemo.results.needle import found_check, paired_difference, summarize
 
     with oracle_in_carrier(levels=4):
-        grid = run_grid(lm, PASSKEY_LENGTHS, PASSKEY_DEPTHS, list(PASSKEY_KEYS), repeats=repeats)
+        grid = run_grid(lm, PASSKEY_LENGTHS, PASSKEY_DEPTHS, list(PASSKEY_KEYS), repeats=repeats, prefill_mode="exact")
     summary = summarize(grid.rows)
     for r in summary:
         r["keys"] = PASSKEY_KEYS.get(r["precision"], r["precision"])

@@ -9,6 +9,7 @@ weights are then kept as safetensors under the cache folder (`KVDEMO_CACHE_DIR`,
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -316,12 +317,33 @@ def _why(where: str, err: Exception, local_only: bool) -> str:
     return f"cannot load {where!r}: {_first_line(err)}"
 
 
+CONTENT_SAMPLE = 2**20  # bytes hashed at each end of a file for its content key
+_content_keys: dict[tuple[str, int, int], str] = {}
+
+
+def content_key(path: Path) -> str:
+    """A key for a file's content, not its place: its size and the sha256 of its first and last MiB.
+
+    Two checkouts sharing one cache folder each hold their own copy of the embedded GGUF; keyed by content,
+    both find the one converted model. Memoised by (path, size, mtime), so a run reads the file once.
+    """
+    stat = path.stat()
+    memo = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if memo not in _content_keys:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            digest.update(f.read(CONTENT_SAMPLE))
+            f.seek(max(0, stat.st_size - CONTENT_SAMPLE))
+            digest.update(f.read(CONTENT_SAMPLE))
+        _content_keys[memo] = f"{stat.st_size}-{digest.hexdigest()[:32]}"
+    return _content_keys[memo]
+
+
 def _converted_default() -> Path:
-    """The embedded GGUF, dequantized once into safetensors under cache_dir()."""
+    """The embedded GGUF, dequantized once into safetensors under cache_dir(), found again by its content."""
     gguf = embedded_gguf()
-    stat = gguf.stat()
     folder = cache_dir() / "models" / "smollm2-135m-instruct"
-    stamp = {"gguf": str(gguf), "size": stat.st_size, "mtime": int(stat.st_mtime)}
+    stamp = {"content": content_key(gguf)}
     marker = folder / "kvdemo-source.json"
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return folder

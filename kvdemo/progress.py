@@ -13,20 +13,17 @@ takes the same two keywords:
 Producers build both from a `Tracker`. An exception raised by ``on_progress`` (Streamlit stops a script that
 way when the user clicks a button) ends the run where it is; the caller keeps the rows it was given.
 
-Before a run, `hint` says how long it should take from the speed of the last runs of the same task on the
-same model and device (`record` remembers each finished run: the tokens of work it did and the seconds it
-took; `estimate` takes the median of the last few). Before any run the estimate uses a cautious default
-rate, and says so. What counts as a token of work is the task's choice, the same in `record` and
-`estimate`: drift: (prompt + new tokens) x (quantized precisions + 1); needle: the prompt tokens of every
-run; ppl: the exact prefix once and the decoded tokens of every cache (`kvdemo.ppl.work_tokens`).
+Before a run, `kvdemo.rates.hint` says how long it should take from the speed this machine measured on
+its last runs of the same task (kept in the cache folder across restarts); a `Tracker` given that estimate
+(``expected_s``) shows it as the time left until the run's own first unit is done. What counts as a token of
+work is the task's choice, the same for the hint and the progress: drift: (prompt + new tokens) x
+(quantized precisions + 1); needle: the prompt tokens of every run; ppl: the exact prefix once and the
+decoded tokens of every cache (`kvdemo.ppl.work_tokens`); a chat turn: the prompt tokens its lanes read.
 """
 
 from __future__ import annotations
 
-import statistics
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +58,7 @@ class Progress:
     what: str  # what runs now (or just finished), in words
     elapsed_s: float  # since the run started
     row: object = None  # the result row this unit finished, when it finished one
+    expected_s: float | None = None  # the whole run's duration estimated before it started (`kvdemo.rates`)
 
     @property
     def fraction(self) -> float:
@@ -68,9 +66,10 @@ class Progress:
 
     @property
     def remaining_s(self) -> float | None:
-        """Seconds left at the speed measured in this run so far (None before the first unit finishes)."""
+        """Seconds left at the speed measured in this run so far; before its first unit, what the estimate made
+        before the run leaves (None without one)."""
         if self.done <= 0 or self.elapsed_s <= 0:
-            return None
+            return None if self.expected_s is None else max(0.0, self.expected_s - self.elapsed_s)
         return max(0.0, self.total - self.done) * self.elapsed_s / self.done
 
     def text(self) -> str:
@@ -99,6 +98,7 @@ class Tracker:
     done: float = 0.0
     rows: list = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    expected_s: float | None = None  # the estimate made before the run, shown as time left until a unit is done
 
     def check(self, what: str = "the run") -> None:
         """Raise `Cancelled` (carrying the finished rows) when `should_stop` says so."""
@@ -107,7 +107,8 @@ class Tracker:
 
     def report(self, what: str, row: object = None) -> Progress:
         """Tell `on_progress` where the run stands without counting a unit (e.g. "starting full precision")."""
-        p = Progress(self.done, self.total, self.unit, what, time.perf_counter() - self.started, row)
+        elapsed = time.perf_counter() - self.started
+        p = Progress(self.done, self.total, self.unit, what, elapsed, row, self.expected_s)
         if self.on_progress is not None:
             self.on_progress(p)
         return p
@@ -131,54 +132,3 @@ class Tracker:
             self.report(f"{what}: {p.what}" if p.what else what)
 
         return forward
-
-
-# --- time hints before a run ---------------------------------------------------------------------------
-
-KEEP = 5  # runs remembered per (model, device, task)
-DEFAULT_S_PER_TOKEN = {"cpu": 0.008, "cuda": 0.0005}  # cautious: ~3x the embedded model on 2 busy CPU cores
-_runs: dict[tuple[str, str, str], deque[float]] = {}
-_lock = threading.Lock()
-
-
-def _key(lm, task: str) -> tuple[str, str, str]:
-    return (lm.name, lm.device.type, task)
-
-
-def record(lm, task: str, tokens: int, seconds: float) -> None:
-    """Remember one finished run of `task`: `tokens` of work in `seconds`."""
-    if tokens > 0 and seconds > 0:
-        with _lock:
-            _runs.setdefault(_key(lm, task), deque(maxlen=KEEP)).append(seconds / tokens)
-
-
-def clear() -> None:
-    with _lock:
-        _runs.clear()
-
-
-def rate(lm, task: str) -> tuple[float, int]:
-    """(seconds per token, how many runs it comes from); 0 runs: the cautious default for the device."""
-    with _lock:
-        runs = list(_runs.get(_key(lm, task), ()))
-    if runs:
-        return statistics.median(runs), len(runs)
-    return DEFAULT_S_PER_TOKEN.get(lm.device.type, DEFAULT_S_PER_TOKEN["cpu"]), 0
-
-
-def estimate(lm, task: str, tokens: int) -> float:
-    """Seconds `tokens` of work of `task` should take."""
-    return rate(lm, task)[0] * max(tokens, 0)
-
-
-def hint(lm, task: str, tokens: int, what: str) -> str:
-    """E.g. "About 12 s for <what> (from the last 2 runs here: 340 tokens/s).", or a stated guess before any run."""
-    per_token, runs = rate(lm, task)
-    seconds = per_token * max(tokens, 0)
-    if runs:
-        source = "the last run here" if runs == 1 else f"the last {runs} runs here"
-        return f"About {duration(seconds)} for {what} (from {source}: {1 / per_token:,.0f} tokens/s)."
-    return (
-        f"Up to about {duration(seconds)} for {what} on {lm.device.type.upper()} (no run measured yet: a cautious "
-        "guess; the hint follows your runs)."
-    )

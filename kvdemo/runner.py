@@ -298,3 +298,64 @@ def answer_logprob(
         lp = torch.log_softmax(logits, -1)
         total += float(lp[torch.arange(len(answer_ids) - 1), torch.tensor(answer_ids[1:])].sum())
     return total
+
+
+# --- speed: a quick probe, and progress inside a forward pass -------------------------------------------
+PROBE_PROMPT = 256  # tokens the probe reads
+PROBE_STEPS = 8  # decode steps it times
+
+
+@torch.no_grad()
+def probe_speed(lm: LoadedModel) -> bool:
+    """Time a short read (`PROBE_PROMPT` tokens) and a few decode steps of `lm` with a full-precision cache, and
+    remember both rates on this machine (`kvdemo.rates`, tasks "probe:prefill" and "probe:decode"): the first
+    guess of a time hint before any run of its kind was measured here. A fraction of a second on the embedded
+    model; skipped (False) while another session holds the model, so a page never waits for it."""
+    from . import rates
+
+    if not lm.lock.acquire(blocking=False):
+        return False
+    try:
+        ids = [int(i) % lm.config.vocab_size for i in range(1000, 1000 + PROBE_PROMPT)]
+        prefill(lm, ids[:16], new_cache(lm, "full"))  # warm-up: the first forward pays one-time setup
+        cache = new_cache(lm, "full")
+        t0 = time.perf_counter()
+        logits = prefill(lm, ids, cache)
+        t1 = time.perf_counter()
+        for _ in range(PROBE_STEPS):
+            logits = prefill(lm, [int(torch.argmax(logits))], cache)
+        t2 = time.perf_counter()
+    finally:
+        lm.lock.release()
+    rates.record(lm, "probe:prefill", PROBE_PROMPT, t1 - t0)
+    rates.record(lm, "probe:decode", PROBE_STEPS, t2 - t1)
+    return True
+
+
+def decoder_layers(lm: LoadedModel) -> list[torch.nn.Module]:
+    """The model's decoder layers (`model.model.layers` in Llama-family models; empty when not found)."""
+    inner = getattr(lm.model, "model", None)
+    return list(getattr(inner, "layers", None) or [])
+
+
+@contextlib.contextmanager
+def layer_progress(lm: LoadedModel, on_layer: Callable[[int, int], None] | None) -> Iterator[None]:
+    """Call `on_layer(done, layers)` after each decoder layer of every forward pass inside: progress within a
+    long prefill chunk, which runs minutes on a busy CPU (a chunk's tokens are done when its last layer is)."""
+    layers = decoder_layers(lm)
+    if on_layer is None or not layers:
+        yield
+        return
+
+    def hook(index: int):
+        def after(*_) -> None:  # returns None: the layer's output stays as it is
+            on_layer(index + 1, len(layers))
+
+        return after
+
+    hooks = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()

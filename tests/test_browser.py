@@ -2,7 +2,8 @@
 
 Opens every page through the app's own navigation (one session throughout), uploads a file, sends a
 chat message and waits for both answers, runs a small needle grid, a perplexity run and a drift run, and takes a
-screenshot of each page into a temporary folder. Every wait has a timeout and the server is always
+screenshot of each page into a temporary folder; checks that a needle grid's time estimate, once a first grid
+measured this machine's speed, is within 2x of the time the grid then took. Every wait has a timeout and the server is always
 killed. With KVDEMO_SCREENSHOTS=assets/screenshots the screenshots go there instead, at larger sizes
 (this is how the README's screenshots are refreshed):
 
@@ -91,6 +92,7 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("streamlit") / "server.log"
     env = os.environ | {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false", "TOKENIZERS_PARALLELISM": "false"}
     env |= {"KVDEMO_FINDINGS_QUICK_SIZES": "tiny", "KVDEMO_FINDINGS_CACHE": "0"}  # Findings re-runs: small, measured
+    env |= {"KVDEMO_RATES_FILE": str(log_path.with_name("rates.json"))}  # time hints: this server's runs only
     cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
     cmd += ["--server.port", str(port), "--server.address", "127.0.0.1"]
     cmd += ["--server.fileWatcherType", "none", "--server.runOnSave", "false"]  # other edits must not rerun it
@@ -340,3 +342,48 @@ def test_findings_quick_rerun_and_cancel(server, page):
     idle(page)
     no_exception(page)
     page.get_by_role("heading", name="1. Capacity").first.wait_for(timeout=UI_S * 1000)  # the sections of what finished
+
+
+def seconds_of(text: str) -> float:
+    """The seconds of a `kvdemo.progress.duration` text: "45 s", "3 min 5 s", "2 min", "1 h 2 min"."""
+    if text == "under a second":
+        return 0.5
+    units = {"h": 3600, "min": 60, "s": 1}
+    return float(sum(int(n) * units[u] for n, u in re.findall(r"(\d+) (h|min|s)\b", text)))
+
+
+def test_needle_time_estimate_is_within_2x_of_the_real_time(server, page):
+    """The estimate shown before a grid comes from the speed this machine measured on the grid before it (the
+    first grid may start from a probe or a first guess, and says so); it is within 2x of the time the second
+    grid takes (the same grid: the speed measured a run ago, on a busy shared CPU)."""
+    page.goto(server, wait_until="domcontentloaded")
+    page.get_by_text("KV bytes/token, full (").first.wait_for(timeout=MODEL_WORK_S * 1000)  # model loaded
+    idle(page)
+    goto(page, "Needle")
+    page.get_by_text("Needle in a haystack").first.wait_for()
+    fill(page, "Prompt lengths (tokens)", "256")
+    fill(page, "Depths (% of the haystack)", "50")
+    hint = re.compile(r"^About (.+?) for this grid \((.+?)\)\.$")
+    runs = 4  # one cell x (full, int8, int4, int2)
+    finished = re.compile(rf"passkey needle in filler: {runs} runs, ([\d.]+) s")
+    took = []
+    for attempt in range(2):
+        shown = page.get_by_text(hint).first
+        shown.wait_for(timeout=UI_S * 1000)
+        estimate, source = hint.match(shown.inner_text()).groups()
+        if attempt == 1:  # the first grid's speed, measured here
+            assert source.startswith("from this machine's last"), source
+        else:
+            assert "first guess" in source or source.startswith("from this machine's last"), source
+        page.get_by_role("button", name="Run grid").click()
+        # the bar counts tokens and says the time left from the start (the estimate, then the run's own speed)
+        page.get_by_text(re.compile(r" tokens: .* left\)$")).first.wait_for(timeout=MODEL_WORK_S * 1000)
+        bar = page.locator('[data-testid="stProgress"]')
+        bar.first.wait_for(state="detached", timeout=MODEL_WORK_S * 1000)  # the run ended
+        heading = page.get_by_text(finished).first
+        heading.wait_for(timeout=MODEL_WORK_S * 1000)
+        idle(page)
+        no_exception(page)
+        took.append((seconds_of(estimate), float(finished.search(heading.inner_text()).group(1))))
+    estimated, real = took[-1]
+    assert real / 2 <= estimated <= real * 2, f"estimated {estimated} s, took {real} s (runs: {took})"

@@ -514,6 +514,12 @@ def test_tiny_run_measures_and_reuses_its_cache(lm, tmp_path, monkeypatch):
 
 
 @pytest.mark.model
+def test_planned_tokens_count_the_work_of_the_plan_without_building_it(lm):
+    the_plan = run.plan(lm, sizes=TINY)
+    assert run.planned_tokens(lm, TINY) == sum(len(the_plan.text_of(u).ids) for u in the_plan.units)
+
+
+@pytest.mark.model
 def test_findings_page_renders_the_shipped_report():
     from streamlit.testing.v1 import AppTest
 

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvdemo.texts",
             "kvdemo.documents",
             "kvdemo.progress",
+            "kvdemo.rates",
             "kvdemo.machine",
         ),
     ),

@@ -61,19 +61,29 @@ def test_a_part_moves_the_parent_count_by_its_share():
     assert Tracker(10, "tokens").part(6, "int4") is None  # nobody listens: nothing to forward
 
 
-class _Model:
-    name, device = "m", type("D", (), {"type": "cpu"})()
+def test_before_the_first_unit_the_time_left_is_the_estimate_made_before_the_run():
+    before = Progress(0, 100, "tokens", "full: reading tokens 1-2,048 of 5,168", 30.0, expected_s=200.0)
+    assert before.remaining_s == pytest.approx(170.0)
+    assert "about 2 min 50 s left" in before.text()
+    after = Progress(50, 100, "tokens", "", 40.0, expected_s=200.0)  # then this run's own speed
+    assert after.remaining_s == pytest.approx(40.0)
+    seen = []
+    Tracker(10, "tokens", seen.append, expected_s=12.0).report("starting")
+    assert seen[0].expected_s == 12.0
 
 
-def test_hints_follow_recorded_runs():
-    progress.clear()
-    lm = _Model()
-    first = progress.hint(lm, "needle", 1000, "this grid")
-    assert first.startswith("Up to about") and "cautious guess" in first
-    progress.record(lm, "needle", 1000, 10.0)
-    progress.record(lm, "needle", 1000, 30.0)
-    assert progress.rate(lm, "needle") == (pytest.approx(0.02), 2)
-    assert progress.hint(lm, "needle", 500, "this grid") == (
-        "About 10 s for this grid (from the last 2 runs here: 50 tokens/s)."
-    )
-    progress.clear()
+@pytest.mark.model
+def test_reading_a_document_moves_layer_by_layer_with_the_tokens_read(lm):
+    """A chat's first read reports within each prefill chunk, per decoder layer, not once per chunk."""
+    from kvdemo.chat.session import ChatSession
+    from kvdemo.texts import prose
+
+    session = ChatSession(lm, "int4", prose()[:3000], prefill_chunk=256)
+    read = []
+    session.prepare(on_progress=read.append)
+    counts = [p.done for p in read]
+    assert counts == sorted(counts) and counts[-1] == read[-1].total
+    assert session.tokens_to_read() == 0  # all read: a first turn's hint counts only the question
+    assert len(set(counts)) > 2 * lm.num_layers  # several chunks, each moving layer by layer
+    assert all(c == int(c) for c in counts)  # whole tokens: a chunk's layers share its tokens exactly
+    assert read[0].what.startswith("full: reading tokens 1-256 of ")

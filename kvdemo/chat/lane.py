@@ -25,7 +25,7 @@ from ..cache import QuantizedKVCache
 from ..models import LoadedModel
 from ..precision import PrecisionSpec
 from ..progress import StopFn, Tracker
-from ..runner import PREFILL_MODES, new_cache, prefill, transplant
+from ..runner import PREFILL_MODES, decoder_layers, layer_progress, new_cache, prefill, transplant
 
 SENTENCE_WINDOW = 0.25  # the last quarter of the cap: there an answer ends at the first sentence end
 ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "mt.", "jr.", "sr.", "vs.", "etc.", "e.g.", "i.e.", "no."}
@@ -59,6 +59,13 @@ class Answer:
     @property
     def finished(self) -> bool:
         return self.stopped in ("eos", "sentence", "length")
+
+
+def _layer_counter(track: Tracker | None, what: str, tokens: int):
+    """An `on_layer` for `runner.layer_progress`: each decoder layer counts its share of the chunk's tokens."""
+    if track is None:
+        return None
+    return lambda done, layers: track.advance(what, units=tokens * done // layers - tokens * (done - 1) // layers)
 
 
 def free_memory(device: torch.device) -> None:
@@ -158,14 +165,16 @@ class Lane:
             for start in range(0, len(rest), chunk):
                 if should_stop is not None and should_stop():
                     return None
-                if track is not None:
-                    track.report(f"{self.label}: reading {len(rest):,} tokens")
                 piece = rest[start : start + chunk]
-                logits = prefill(lm, piece, target)  # [V]
+                what = f"{self.label}: reading tokens {start + 1:,}-{start + len(piece):,} of {len(rest):,}"
+                if track is not None:
+                    track.report(what)
+                with layer_progress(lm, _layer_counter(track, what, len(piece))):  # a chunk moves layer by layer
+                    logits = prefill(lm, piece, target)  # [V]
                 if not exact:
                     answer.fed_tokens += len(piece)
-                if track is not None:
-                    track.advance(f"{self.label}: reading {len(rest):,} tokens", units=len(piece))
+                if track is not None and not decoder_layers(lm):
+                    track.advance(what, units=len(piece))
             if exact:
                 transplant(target, self.cache)  # one append per layer: as one call would store them
                 answer.fed_tokens += len(rest)

@@ -171,6 +171,13 @@ class ChatSession:
             len(chat_ids(self.lm, lane.messages + extra, add_generation_prompt=bool(extra))) for lane in self._lanes
         )
 
+    def tokens_to_read(self, question: str = "") -> int:
+        """Prompt tokens the lanes would prefill now (the document before the first turn, a few dozen after):
+        what a chat turn's time hint counts (`kvdemo.rates`, task "chat-read")."""
+        extra = [{"role": "user", "content": question}] if question else []
+        plans = [chat_ids(self.lm, lane.messages + extra, add_generation_prompt=bool(extra)) for lane in self._lanes]
+        return sum(0 if lane.holds(ids) else lane.to_feed(ids) for lane, ids in zip(self._lanes, plans, strict=True))
+
     # --- running ----------------------------------------------------------------------------------
     def prepare(
         self,
@@ -303,6 +310,15 @@ class ChatSession:
         turn = Turn(question, answers, div, waited)
         self.turns.append(turn)
         return turn
+
+
+def work_done(answers: list[Answer]) -> dict[str, tuple[float, float]]:
+    """{"chat-read": (prompt tokens read, seconds), "chat-answer": (decode steps, seconds)} over every lane of a
+    turn: a chat turn's two kinds of work, each with its own speed (`kvdemo.rates.record`)."""
+    return {
+        "chat-read": (sum(a.fed_tokens for a in answers), sum(a.prefill_s for a in answers)),
+        "chat-answer": (sum(a.decode_steps for a in answers), sum(a.decode_s for a in answers)),
+    }
 
 
 def divergence_split(answer: Answer, index: int | None, tokenizer) -> tuple[str, str, str]:

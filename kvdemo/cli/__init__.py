@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a codebook file (kvdemo calibrate --out) for the nuq precisions, in place of the model's own",
     )
     p.add_argument("--out", default="", help="folder for needle.json and needle.csv")
-    _prefill_mode_arg(p, "exact")
+    _prefill_mode_arg(p, "chunked")
     p.set_defaults(func=_lazy("needle", "run_cli"), text=_lazy("needle", "format_text"))
 
     p = sub.add_parser("probe", help="the needle grid asked of OpenAI-compatible endpoints, side by side")

@@ -57,7 +57,7 @@ def run_cli(args) -> NeedleGrid:
         question=args.question,
         answer=args.answer,
         seed=args.seed,
-        prefill_mode=getattr(args, "prefill_mode", "exact"),
+        prefill_mode=getattr(args, "prefill_mode", "chunked"),
         codebooks=books,
         repeats=args.repeats,
     )
@@ -81,7 +81,7 @@ def _command(args) -> str:
         ("--seed", args.seed, 0),
         ("--repeats", args.repeats, 1),
         ("--haystack-file", args.haystack_file, ""),
-        ("--prefill-mode", getattr(args, "prefill_mode", "exact"), "exact"),
+        ("--prefill-mode", getattr(args, "prefill_mode", "chunked"), "chunked"),
         ("--codebooks", args.codebooks, ""),
     ):
         if value != default:

@@ -92,6 +92,15 @@ class FindingsPlan:
         return self.main if unit.text == "main" else self.stack
 
 
+def planned_tokens(lm, sizes: Sizes, precisions: Sequence[str] | None = None, quick: bool = False) -> int:
+    """Tokens of model work a run of `sizes` plans (each unit's text once), without building the texts: what
+    the page's time hint counts (`kvdemo.rates`, task "findings"); units the disk cache holds cost less."""
+    labels = [parse_precision(p).label for p in (precisions or default_precisions(quick))]  # as `plan` takes them
+    tokens = min(sizes.tokens, lm.max_context)
+    stack = min(sizes.stack_tokens, tokens)
+    return sum(tokens if u.text == "main" else stack for u in units(["full", *labels], sizes))
+
+
 def plan(
     lm,
     precisions: Sequence[str] | None = None,

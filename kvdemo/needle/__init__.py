@@ -42,6 +42,7 @@ from .prompts import (
 )
 from .run import (
     MAX_REPEATS,
+    check_grid,
     check_length,
     flush_points,
     forward_as_decoding,
@@ -71,6 +72,7 @@ __all__ = [
     "answer_matches",
     "build_prompt",
     "cell_rng",
+    "check_grid",
     "check_length",
     "choose_haystack",
     "default_haystack",

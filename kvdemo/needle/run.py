@@ -145,7 +145,7 @@ def run_cell(
     prompt: NeedlePrompt,
     specs: Sequence[PrecisionSpec],
     track: Tracker | None = None,
-    prefill_mode: str = "exact",
+    prefill_mode: str = "chunked",
     codebooks=None,
     seed: int = 0,
 ) -> list[NeedleRow]:
@@ -234,7 +234,7 @@ def specs_with_full(precisions: Sequence[PrecisionSpec | str] | str) -> list[Pre
 def work_tokens(
     lengths: Sequence[int], depths: Sequence[float], precisions: Sequence[PrecisionSpec | str] | str, repeats: int = 1
 ) -> int:
-    """Tokens of model work a grid does, its progress unit and its time hint's (`progress.hint`, task "needle"):
+    """Tokens of model work a grid does, its progress unit and its time hint's (`rates.hint`, task "needle"):
     every run's prompt, a cell's target length once per precision (full included) and seed."""
     return sum(int(n) for n in lengths) * len(depths) * len(specs_with_full(precisions)) * repeats
 
@@ -246,6 +246,35 @@ def check_length(lm: LoadedModel, length: int, new_tokens: int) -> None:
             f"length {length} is not allowed: prompt + {new_tokens} new tokens must fit the model's context "
             f"({lm.max_context}); use 1..{lm.max_context - new_tokens}"
         )
+
+
+def check_grid(
+    lm: LoadedModel,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    repeats: int = 1,
+    kind: str = "passkey",
+    needle: str = "",
+    question: str = "",
+    answer: str = "",
+    seed: int = 0,
+    num_keys: int = NUM_KEYS,
+    max_new_tokens: int | None = None,
+) -> None:
+    """A `NeedleError` saying what is wrong with a grid's settings (no length or depth, a depth outside 0..100,
+    repeats out of range, a custom needle without its answer, a length the model's context cannot hold);
+    nothing when `run_grid` can run them. Cheap: the page checks before it estimates the grid's time."""
+    if not lengths or not depths:
+        raise NeedleError("give at least one length and one depth")
+    for d in depths:
+        if not 0 <= d <= 100:
+            raise NeedleError(f"depth {d:g} is outside 0..100 (percent of the haystack)")
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise NeedleError(f"repeats must be 1..{MAX_REPEATS}, not {repeats}")
+    probe = make_task(kind, cell_rng(seed, 0, 0.0), needle, question, answer, num_keys)  # validates the needle
+    new_tokens = max_new_tokens or probe.max_new_tokens
+    for n in lengths:
+        check_length(lm, int(n), new_tokens)
 
 
 def run_grid(
@@ -264,7 +293,7 @@ def run_grid(
     max_new_tokens: int | None = None,
     on_progress: ProgressFn | None = None,
     should_stop: StopFn | None = None,
-    prefill_mode: str = "exact",
+    prefill_mode: str = "chunked",
     codebooks=None,
     repeats: int = 1,
 ) -> NeedleGrid:
@@ -281,17 +310,7 @@ def run_grid(
     specs = specs_with_full(precisions)
     lengths = [int(n) for n in lengths]
     depths = [float(d) for d in depths]
-    if not lengths or not depths:
-        raise NeedleError("give at least one length and one depth")
-    for d in depths:
-        if not 0 <= d <= 100:
-            raise NeedleError(f"depth {d:g} is outside 0..100 (percent of the haystack)")
-    if not 1 <= repeats <= MAX_REPEATS:
-        raise NeedleError(f"repeats must be 1..{MAX_REPEATS}, not {repeats}")
-    probe = make_task(kind, cell_rng(seed, 0, 0.0), needle, question, answer, num_keys)  # validates the needle
-    new_tokens = max_new_tokens or probe.max_new_tokens
-    for n in lengths:
-        check_length(lm, n, new_tokens)
+    check_grid(lm, lengths, depths, repeats, kind, needle, question, answer, seed, num_keys, max_new_tokens)
     name, hay, joiner = choose_haystack(kind, document, document_name)
     track = Tracker(work_tokens(lengths, depths, specs, repeats), "tokens", on_progress, should_stop)
     rows: list[NeedleRow] = []
