@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded model is loaded once per test session."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -8,6 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton reads this when it is first imported (transformers may import it early): the Triton tests need
 # its CPU interpreter, and nothing else runs Triton on CPU (the backend is chosen per device).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# time hints learn this machine's speed from runs (kvdemo.rates): the tests' runs go to a file of their own,
+# not into the user's cache folder
+os.environ.setdefault("KVDEMO_RATES_FILE", os.path.join(tempfile.mkdtemp(prefix="kvdemo-rates-"), "rates.json"))
 
 
 @pytest.fixture(scope="session")

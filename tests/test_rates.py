@@ -17,6 +17,7 @@ class _Model:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KVDEMO_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVDEMO_RATES_FILE", raising=False)  # the cache folder's file (conftest points elsewhere)
     return tmp_path
 
 
