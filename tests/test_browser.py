@@ -353,9 +353,10 @@ def seconds_of(text: str) -> float:
 
 
 def test_needle_time_estimate_is_within_2x_of_the_real_time(server, page):
-    """The estimate shown before a grid comes from the speed this machine measured on the grid before it (the
-    first grid may start from a probe or a first guess, and says so); it is within 2x of the time the second
-    grid takes (the same grid: the speed measured a run ago, on a busy shared CPU)."""
+    """The estimate shown before a grid comes from the speed this machine measured on the grids before it (the
+    first grid may start from a probe or a first guess, and says so); it is within 2x of the time the third
+    grid takes (the same grid: the speed measured on the two before it, the first of which also paid the
+    server's one-time warm-up, on a busy shared CPU)."""
     page.goto(server, wait_until="domcontentloaded")
     page.get_by_text("KV bytes/token, full (").first.wait_for(timeout=MODEL_WORK_S * 1000)  # model loaded
     idle(page)
@@ -367,11 +368,11 @@ def test_needle_time_estimate_is_within_2x_of_the_real_time(server, page):
     runs = 4  # one cell x (full, int8, int4, int2)
     finished = re.compile(rf"passkey needle in filler: {runs} runs, ([\d.]+) s")
     took = []
-    for attempt in range(2):
+    for attempt in range(3):
         shown = page.get_by_text(hint).first
         shown.wait_for(timeout=UI_S * 1000)
         estimate, source = hint.match(shown.inner_text()).groups()
-        if attempt == 1:  # the first grid's speed, measured here
+        if attempt:  # the speed of the grids before, measured here
             assert source.startswith("from this machine's last"), source
         else:
             assert "first guess" in source or source.startswith("from this machine's last"), source
