@@ -10,6 +10,7 @@ import streamlit as st
 from app_pages import common
 from kvdemo.chat.lane import Answer
 from kvdemo.chat.session import ChatError, ChatSession, Turn, divergence_split
+from kvdemo.figures.chat import legend_html, strip_html
 from kvdemo.prefill_modes import MODE_HELP
 from kvdemo.progress import Cancelled, Progress
 from kvdemo.runner import PREFILL_MODES
@@ -104,6 +105,10 @@ def show_answer(box, a: Answer, turn: Turn) -> None:
             body = common.highlighted(before, token, rest) or "<i>(no answer)</i>"
             st.markdown(body, unsafe_allow_html=True)
             st.caption(answer_caption(a))
+            scores = turn.comparison.of(a.precision) if turn.comparison is not None else None
+            if scores is not None:
+                st.markdown(strip_html(scores), unsafe_allow_html=True)
+                st.caption(scores.summary())
 
 
 def show_turn(turn: Turn, boxes: list | None = None) -> None:
@@ -118,6 +123,12 @@ def show_turn(turn: Turn, boxes: list | None = None) -> None:
         st.caption("Identical answers." if same else "No diverging token within the shorter answer.")
     else:
         st.caption(f"First diverging token: #{turn.first_divergence} (highlighted).")
+    if turn.comparison is not None:
+        st.markdown(legend_html(), unsafe_allow_html=True)
+        st.caption(
+            "Under each answer: its tokens teacher-forced through both caches (the same prompt and document), "
+            "coloured by KL(full || quantized) of the next-token distributions."
+        )
 
 
 for past in session.turns:
