@@ -9,6 +9,8 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo.chat.lane import Answer
+from kvdemo.chat.planted import plant_and_ask
+from kvdemo.chat.questions import suggested_questions
 from kvdemo.chat.session import ChatError, ChatSession, Turn, divergence_split
 from kvdemo.figures.chat import legend_html, strip_html
 from kvdemo.prefill_modes import MODE_HELP
@@ -157,7 +159,47 @@ if read_now:
         status.success("Document read: " + ", ".join(f"{k} {v:,} tokens" for k, v in fed.items()))
     progress.empty()
 
-question = st.chat_input("Ask about the document", key="chat_input", submit_mode="stop")
+suggested = suggested_questions(lm.name, doc_text) if doc and doc["source"] == "sample" else []
+picked = None
+if suggested:
+    st.caption(
+        "Suggested questions: the embedded model answers these right at full precision (checked by a test); "
+        "low-bit formats often do not."
+    )
+    for col, (i, q) in zip(st.columns(len(suggested)), enumerate(suggested), strict=True):
+        if col.button(q.question, key=f"chat_suggest_{i}", help=f"Expected answer: {q.expected}. {q.note}"):
+            picked = q.question
+if doc_text and st.button(
+    "Plant a fact in this document and ask it",
+    key="chat_plant",
+    help="Hides a pass key (5 digits) in the middle of this document and asks for it at full precision and at "
+    f"{spec.label}, in a chat of its own: your conversation and document are kept.",
+):
+    with st.spinner("Planting a fact and asking for it at both precisions..."):
+        try:
+            st.session_state["chat_planted"] = plant_and_ask(
+                lm, spec, doc_text, doc["name"], prefill_mode=mode, on_progress=on_progress, on_wait=on_wait
+            )
+        except ChatError as err:
+            status.error(f"{err}. Your chat and document are kept.")
+        except Cancelled:
+            status.info("Stopped while waiting for another user.")
+    progress.empty()
+planted = st.session_state.get("chat_planted")
+if planted is not None and planted.document == (doc["name"] if doc else None):
+    with st.container(border=True, key="chat_planted_box"):
+        st.markdown(f"**Planted fact** ({planted.depth:.0%} into {planted.document}): {planted.needle}")
+        st.markdown(f"Asked: *{planted.question}* · expected **{planted.expected}**")
+        cols = st.columns(len(planted.answers))
+        for col, (prec, text) in zip(cols, planted.answers.items(), strict=True):
+            verdict = "found it" if planted.found[prec] else "did not find it"
+            col.markdown(f"**{prec}** ({verdict}): {html.escape(text) or '<i>(no answer)</i>'}", unsafe_allow_html=True)
+            scores = planted.comparison.of(prec) if planted.comparison is not None else None
+            if scores is not None:
+                col.markdown(strip_html(scores), unsafe_allow_html=True)
+                col.caption(scores.summary())
+
+question = st.chat_input("Ask about the document", key="chat_input", submit_mode="stop") or picked
 if question:
     with st.chat_message("user"):
         st.markdown(question)

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import caches_equal
 
 from kvdemo.chat.compare import compare_answers, snapshot, teacher_forced_logprobs
-from kvdemo.chat.session import ChatSession
+from kvdemo.chat.planted import plant_and_ask
+from kvdemo.chat.questions import SAMPLE_QUESTIONS, suggested_questions
+from kvdemo.chat.session import SYSTEM_PROMPT, ChatError, ChatSession
+from kvdemo.documents import hold_document
 from kvdemo.figures.chat import legend_html, strip_html
+from kvdemo.needle.prompts import answer_matches
 from kvdemo.results.chat import KL_LEVELS, AnswerComparison, PlantedCheck, TokenScores, kl_level, legend
-from kvdemo.runner import chat_ids, new_cache, prefill
+from kvdemo.runner import chat_ids, fork, new_cache, prefill, run_precision
+from kvdemo.texts import prose
+
+SAMPLE_TOKENS = 1024  # the Chat page's default sample length
 
 DOC = (
     "The Zorblat company was founded in 1987 in Lisbon by Maria Santos. It makes blue bicycles and red "
@@ -67,6 +75,16 @@ def test_strip_colours_every_token_and_marks_the_divergence():
     assert "agree" in legend_html() and "hover" in legend_html()
 
 
+def test_suggested_questions_need_their_model_and_their_answer_in_the_sample():
+    assert SAMPLE_QUESTIONS, "ship at least one suggested question"
+    whole = prose()
+    assert suggested_questions("SmolLM2-135M-Instruct (embedded, GGUF Q4_1)", whole) == list(SAMPLE_QUESTIONS)
+    assert suggested_questions("Qwen2.5-0.5B", whole) == []
+    assert suggested_questions("SmolLM2-135M-Instruct (embedded, GGUF Q4_1)", whole[:40]) == []
+    for q in SAMPLE_QUESTIONS:
+        assert answer_matches(q.expected, q.quote), q  # the expected answer is the document's own words
+
+
 # --- with the model ---------------------------------------------------------------------------------
 @pytest.mark.model
 def test_own_cache_reproduces_the_lane_and_full_answer_is_scored_under_the_quantized_cache(lm):
@@ -118,3 +136,33 @@ def test_a_cancelled_turn_or_compare_off_has_no_comparison(lm):
     calls = iter(range(1000))
     turn = s.ask("Who founded the company?", max_new_tokens=8, should_stop=lambda: next(calls) > 3)
     assert turn.cancelled and turn.comparison is None
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("q", SAMPLE_QUESTIONS, ids=lambda q: q.question)
+def test_suggested_questions_are_answered_right_at_full_precision(lm, q):
+    doc = hold_document("sample", prose(), lm.tokenizer, SAMPLE_TOKENS, "sample", [], lm.name)["text"]
+    assert q in suggested_questions(lm.name, doc)
+    ids = chat_ids(
+        lm, [{"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{doc}"}, {"role": "user", "content": q.question}]
+    )
+    gen = run_precision(lm, ids, "full", 64)  # the page's full lane: same prompt, greedy, ends at end of turn
+    assert gen.stopped == "eos" and answer_matches(q.expected, gen.text), gen.text
+
+
+@pytest.mark.model
+def test_planted_fact_leaves_the_users_chat_alone(lm):
+    doc = hold_document("sample", prose(), lm.tokenizer, 256, "sample", [], lm.name)["text"]
+    user = ChatSession(lm, "int4", doc)
+    user.ask("Who is Mr. Bennet?", max_new_tokens=4)
+    before = [(lane.ids[:], lane.messages[:]) for lane in user._lanes]
+    copies = [fork(lane.cache) for lane in user._lanes]
+    check = plant_and_ask(lm, "int4", doc, "sample")
+    assert [(lane.ids, lane.messages) for lane in user._lanes] == before and len(user.turns) == 1
+    assert all(caches_equal(a, lane.cache) for a, lane in zip(copies, user._lanes, strict=True))
+    assert check.needle.startswith("The pass key is") and check.expected in check.needle and 0.3 < check.depth < 0.7
+    assert set(check.answers) == set(check.found) == {"full", "int4"}
+    assert check.found["full"] == answer_matches(check.expected, check.answers["full"])
+    assert check.comparison is not None and check.comparison.precision == "int4"
+    with pytest.raises(ChatError):
+        plant_and_ask(lm, "int4", "   ")

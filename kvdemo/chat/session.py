@@ -34,8 +34,8 @@ import torch
 from ..models import LoadedModel, WaitCallback, model_lock
 from ..precision import PRESETS, PrecisionSpec, parse_precision
 from ..progress import ProgressFn, StopFn, Tracker
-from ..runner import PREFILL_CHUNK, PREFILL_MODES, chat_ids, first_divergence, stop_token_ids
 from ..results.chat import AnswerComparison
+from ..runner import PREFILL_CHUNK, PREFILL_MODES, chat_ids, first_divergence, stop_token_ids
 from .compare import PromptState, compare_answers, snapshot
 from .lane import Answer, Decoding, Lane, TokenCallback, decode_together, free_memory
 

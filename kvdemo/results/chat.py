@@ -7,7 +7,7 @@ the KL divergence between the two next-token distributions, KL(full || quantized
 greedy choice. The first divergence of an answer is its first token the *other* cache would not have chosen
 (greedy), with the token it would have chosen instead.
 
-Also what the suggested questions of the bundled document and the "plant a fact" check return.
+Also what the "plant a fact and ask it" check returns (`kvdemo.chat.planted`).
 """
 
 from __future__ import annotations
@@ -98,22 +98,6 @@ class AnswerComparison:
     @classmethod
     def from_json(cls, d: dict) -> AnswerComparison:
         return cls(d["baseline"], d["precision"], [TokenScores.from_json(a) for a in d["answers"]], d["seconds"])
-
-
-@dataclass
-class SuggestedQuestion:
-    """A question about a bundled document the embedded model answers right at full precision."""
-
-    question: str
-    expected: str  # the answer's words, as the document has them (matched by `needle.answer_matches`)
-    note: str = ""  # what the low-bit formats did with it when it was picked
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> SuggestedQuestion:
-        return cls(**d)
 
 
 @dataclass
