@@ -15,6 +15,7 @@ from kvdemo.chat.session import ChatError, ChatSession, Turn, divergence_split
 from kvdemo.figures.chat import legend_html, strip_html
 from kvdemo.prefill_modes import MODE_HELP
 from kvdemo.progress import Cancelled, Progress
+from kvdemo.results.chat import cpu_speed_caption, load_chat_speed
 from kvdemo.runner import PREFILL_MODES
 from kvdemo.sizes import cache_caption
 
@@ -33,6 +34,8 @@ st.caption(
     "Every question is answered twice: with a full-precision KV cache and with your KV precision (sidebar). "
     "The document is read once per precision; follow-up questions reuse both caches."
 )
+if lm.device.type == "cpu" and spec.is_quantized:
+    st.caption(cpu_speed_caption(load_chat_speed(), spec.label))
 
 session: ChatSession | None = st.session_state.get("chat_session")
 if session is not None and not session.wait_idle(timeout=0.05):

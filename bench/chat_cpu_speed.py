@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from kvdemo.chat.session import SYSTEM_PROMPT  # noqa: E402
 from kvdemo.documents import hold_document  # noqa: E402
 from kvdemo.models import load_model  # noqa: E402
+from kvdemo.results.chat import ChatSpeedReport, SpeedRow  # noqa: E402
 from kvdemo.runner import chat_ids, new_cache, prefill  # noqa: E402
 from kvdemo.texts import prose  # noqa: E402
 
@@ -69,7 +70,7 @@ def _profile(lm, cache, first: torch.Tensor, steps: int, top: int = 12) -> list[
     ]
 
 
-def run(precisions: list[str], tokens: int, steps: int, profile_steps: int) -> dict:
+def run(precisions: list[str], tokens: int, steps: int, profile_steps: int) -> ChatSpeedReport:
     torch.manual_seed(0)
     lm = load_model("embedded", device="cpu", dtype="float32")
     doc = hold_document("sample", prose(), lm.tokenizer, tokens, "sample", [], lm.name)["text"]
@@ -89,27 +90,28 @@ def run(precisions: list[str], tokens: int, steps: int, profile_steps: int) -> d
     rows = []
     for p in precisions:
         med = statistics.median(times[p])
-        rows.append({"precision": p, "median_step_ms": round(med * 1e3, 2), "tok_s": round(1 / med, 2),
-                     "slower_than_full": round(med / base, 2)})  # fmt: skip
-    report = {
-        "command": "python bench/chat_cpu_speed.py " + " ".join(sys.argv[1:]),
-        "commit": _commit(),
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (shared), "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
-        "model": lm.name,
-        "prompt_tokens": len(ids),
-        "steps": steps,
-        "rows": rows,
-    }
+        rows.append(SpeedRow(p, round(med * 1e3, 2), round(1 / med, 2), round(med / base, 2)))
     quantized = [p for p in precisions if p != "full"]
+    profile = None
     if profile_steps and quantized:
-        report["profile"] = {
-            "precision": quantized[0],
+        q = quantized[0]
+        profile = {
+            "precision": q,
             "steps": profile_steps,
-            "per_step_ms": _profile(lm, caches[quantized[0]], logits[quantized[0]], profile_steps),
+            "per_step_ms": _profile(lm, caches[q], logits[q], profile_steps),
         }
-    return report
+    return ChatSpeedReport(
+        command="python bench/chat_cpu_speed.py " + " ".join(sys.argv[1:]),
+        commit=_commit(),
+        date=datetime.date.today().isoformat(),
+        machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores (shared), "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        model=lm.name,
+        prompt_tokens=len(ids),
+        steps=steps,
+        rows=rows,
+        profile=profile,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     report = run(args.precisions.split(","), args.tokens, args.steps, args.profile)
-    text = json.dumps(report, indent=2) + "\n"
+    text = json.dumps(report.to_json(), indent=2) + "\n"
     if args.out:
         args.out.write_text(text)
     print(text)

@@ -4,6 +4,8 @@ check."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import caches_equal
@@ -15,7 +17,19 @@ from kvdemo.chat.session import SYSTEM_PROMPT, ChatError, ChatSession
 from kvdemo.documents import hold_document
 from kvdemo.figures.chat import legend_html, strip_html
 from kvdemo.needle.prompts import answer_matches
-from kvdemo.results.chat import KL_LEVELS, AnswerComparison, PlantedCheck, TokenScores, kl_level, legend
+from kvdemo.results.chat import (
+    CHAT_SPEED_REPORT,
+    KL_LEVELS,
+    AnswerComparison,
+    ChatSpeedReport,
+    PlantedCheck,
+    SpeedRow,
+    TokenScores,
+    cpu_speed_caption,
+    kl_level,
+    legend,
+    load_chat_speed,
+)
 from kvdemo.runner import chat_ids, fork, new_cache, prefill, run_precision
 from kvdemo.texts import prose
 
@@ -65,6 +79,21 @@ def test_comparison_and_planted_check_round_trip_through_json():
     check = PlantedCheck("notes.txt", 900, "The pass key is 12345.", "What is the pass key?", "12345", 0.5,
                          {"full": "12345", "int2": "1234"}, {"full": True, "int2": False}, comp)  # fmt: skip
     assert PlantedCheck.from_json(check.to_json()) == check
+
+
+def test_cpu_speed_caption_says_why_and_the_measured_ratio_when_a_report_backs_it(tmp_path):
+    assert "Triton kernels read the codes directly" in cpu_speed_caption(None, "int4")
+    assert "Measured" not in cpu_speed_caption(None, "int4")
+    report = ChatSpeedReport("python bench/chat_cpu_speed.py", "abc", "2026-12-07", "x86_64, 2 CPU cores", "m", 1100, 8,
+                             [SpeedRow("full", 100.0, 10.0, 1.0), SpeedRow("int4", 250.0, 4.0, 2.5)])  # fmt: skip
+    assert ChatSpeedReport.from_json(report.to_json()) == report
+    line = cpu_speed_caption(report, "int4")
+    assert "int4 2.5x slower" in line and "1,100-token" in line and "2026-12-07" in line
+    assert "Measured" not in cpu_speed_caption(report, "nuq2")  # not measured: no figure
+    assert load_chat_speed(tmp_path / "missing.json") is None
+    if CHAT_SPEED_REPORT.is_file():  # the shipped report reads back and writes the same JSON
+        d = json.loads(CHAT_SPEED_REPORT.read_text())
+        assert load_chat_speed().to_json() == d
 
 
 def test_strip_colours_every_token_and_marks_the_divergence():

@@ -12,7 +12,9 @@ Also what the "plant a fact and ask it" check returns (`kvdemo.chat.planted`).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 # KL(full || quantized) per token, nats: where a token's colour changes (below the first: the caches agree)
 KL_LEVELS = (0.01, 0.1, 1.0)
@@ -138,3 +140,74 @@ def legend() -> list[tuple[str, str]]:
         hi = f"< {bounds[i + 1]:g}" if i + 1 < len(bounds) else f">= {bounds[i]:g}"
         out.append((name, hi if i == 0 else f"{bounds[i]:g} to {bounds[i + 1]:g}" if i + 1 < len(bounds) else hi))
     return out
+
+
+CHAT_SPEED_REPORT = Path(__file__).resolve().parents[2] / "assets" / "reports" / "chat_cpu_speed.json"  # shipped run
+
+
+@dataclass
+class SpeedRow:
+    """One precision's decode speed in the Chat page's setting (bench/chat_cpu_speed.py)."""
+
+    precision: str
+    median_step_ms: float
+    tok_s: float
+    slower_than_full: float  # median step time over full precision's, measured round by round beside it
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> SpeedRow:
+        return cls(**d)
+
+
+@dataclass
+class ChatSpeedReport:
+    """Decode speed of the chat lanes on the CPU, precisions side by side, and a profile of a quantized step."""
+
+    command: str
+    commit: str
+    date: str
+    machine: str
+    model: str
+    prompt_tokens: int
+    steps: int
+    rows: list[SpeedRow]
+    profile: dict | None = None  # {"precision", "steps", "per_step_ms": [{"function", "calls", "own_s", "cum_s"}]}
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in ("command", "commit", "date", "machine", "model", "prompt_tokens", "steps")}
+        d["rows"] = [r.to_json() for r in self.rows]
+        if self.profile is not None:
+            d["profile"] = self.profile
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> ChatSpeedReport:
+        return cls(**(d | {"rows": [SpeedRow.from_json(r) for r in d["rows"]]}))
+
+    def row(self, precision: str) -> SpeedRow | None:
+        return next((r for r in self.rows if r.precision == precision), None)
+
+
+def load_chat_speed(path: Path = CHAT_SPEED_REPORT) -> ChatSpeedReport | None:
+    """The chat speed report at `path` (the shipped one by default), or None when there is none."""
+    return ChatSpeedReport.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+def cpu_speed_caption(report: ChatSpeedReport | None, precision: str) -> str:
+    """Why the quantized column decodes slower on a CPU, with the measured ratio when `report` ran `precision`."""
+    why = (
+        "On a CPU the quantized column decodes slower than full precision: the PyTorch reference path turns "
+        "the packed codes into floats at every step, for every stored position of every layer; on a GPU the "
+        "Triton kernels read the codes directly."
+    )
+    row = report.row(precision) if report is not None else None
+    if row is None:
+        return why
+    return why + (
+        f" Measured: {precision} {row.slower_than_full:.1f}x slower per step than full precision on a "
+        f"{report.prompt_tokens:,}-token chat prompt ({report.machine}, {report.date}, "
+        "assets/reports/chat_cpu_speed.json)."
+    )
