@@ -22,7 +22,15 @@ class SuggestedQuestion:
     note: str = ""  # what low-bit caches did with it when it was picked
 
 
-SAMPLE_QUESTIONS: tuple[SuggestedQuestion, ...] = ()
+SAMPLE_QUESTIONS: tuple[SuggestedQuestion, ...] = (
+    SuggestedQuestion(
+        "What is the name of the young man who has taken Netherfield?",
+        "Bingley",
+        '"What is his name?"\n\n"Bingley."',
+    ),
+    SuggestedQuestion("How many daughters does Mrs. Bennet have?", "five", "When a woman has five grown-up daughters"),
+    SuggestedQuestion("On what day did Mr. Bingley come down to see Netherfield?", "Monday", "he came down on Monday"),
+)
 
 
 def suggested_questions(model_name: str, document: str) -> list[SuggestedQuestion]:
