@@ -24,11 +24,17 @@ class SuggestedQuestion:
 
 SAMPLE_QUESTIONS: tuple[SuggestedQuestion, ...] = (
     SuggestedQuestion(
+        "How many daughters does Mrs. Bennet have?",
+        "five",
+        "When a woman has five grown-up daughters",
+        "When it was picked, int4 said four and int2 said five.",
+    ),
+    SuggestedQuestion(
         "What is the name of the young man who has taken Netherfield?",
         "Bingley",
         '"What is his name?"\n\n"Bingley."',
+        "When it was picked, int4 answered it right and int2 did not.",
     ),
-    SuggestedQuestion("How many daughters does Mrs. Bennet have?", "five", "When a woman has five grown-up daughters"),
     SuggestedQuestion("On what day did Mr. Bingley come down to see Netherfield?", "Monday", "he came down on Monday"),
 )
 
