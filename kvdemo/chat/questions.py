@@ -35,7 +35,12 @@ SAMPLE_QUESTIONS: tuple[SuggestedQuestion, ...] = (
         '"What is his name?"\n\n"Bingley."',
         "When it was picked, int4 answered it right and int2 did not.",
     ),
-    SuggestedQuestion("On what day did Mr. Bingley come down to see Netherfield?", "Monday", "he came down on Monday"),
+    SuggestedQuestion(
+        "On what day did Mr. Bingley come down to see Netherfield?",
+        "Monday",
+        "he came down on Monday",
+        "When it was picked, int4 said Monday and int2 did not.",
+    ),
 )
 
 
