@@ -62,10 +62,10 @@ def _profile(lm, cache, first: torch.Tensor, steps: int, top: int = 12) -> list[
     rows = []
     for (file, line, name), (_, calls, own, cum, _) in stats.stats.items():
         if "kvdemo" in file or name in ("matmul", "copy_", "float", "mul_", "__matmul__"):
-            rows.append({"function": f"{Path(file).name}:{line}:{name}", "calls": calls, "own_s": own, "cum_s": cum})
-    rows.sort(key=lambda r: -r["cum_s"])
+            rows.append({"function": f"{Path(file).name}:{line}:{name}", "calls": calls, "own_ms": own, "cum_ms": cum})
+    rows.sort(key=lambda r: -r["cum_ms"])
     return [
-        r | {"own_s": round(r["own_s"] / steps * 1e3, 3), "cum_s": round(r["cum_s"] / steps * 1e3, 3)}
+        r | {"own_ms": round(r["own_ms"] / steps * 1e3, 3), "cum_ms": round(r["cum_ms"] / steps * 1e3, 3)}
         for r in rows[:top]
     ]
 

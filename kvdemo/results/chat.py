@@ -174,7 +174,7 @@ class ChatSpeedReport:
     prompt_tokens: int
     steps: int
     rows: list[SpeedRow]
-    profile: dict | None = None  # {"precision", "steps", "per_step_ms": [{"function", "calls", "own_s", "cum_s"}]}
+    profile: dict | None = None  # {"precision", "steps", "per_step_ms": [{"function", "calls", "own_ms", "cum_ms"}]}
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in ("command", "commit", "date", "machine", "model", "prompt_tokens", "steps")}
