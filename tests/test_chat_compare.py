@@ -195,3 +195,17 @@ def test_planted_fact_leaves_the_users_chat_alone(lm):
     assert check.comparison is not None and check.comparison.precision == "int4"
     with pytest.raises(ChatError):
         plant_and_ask(lm, "int4", "   ")
+
+
+@pytest.mark.model
+def test_out_of_memory_while_scoring_keeps_the_answers(lm, monkeypatch):
+    import kvdemo.chat.session as sessions
+
+    def boom(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(sessions, "compare_answers", boom)
+    s = ChatSession(lm, "int4", DOC)
+    turn = s.ask("Who founded the company?", max_new_tokens=4)
+    assert turn.comparison is None and all(a.finished and a.tokens for a in turn.answers)
+    assert len(s.turns) == 1 and all(lane.cache is not None for lane in s._lanes)  # the chat goes on

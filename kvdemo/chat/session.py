@@ -270,9 +270,16 @@ class ChatSession:
     def _compare(
         self, states: list[PromptState], answers: list[Answer], should_stop: StopFn | None
     ) -> AnswerComparison | None:
+        """The answers scored under both prompt caches; None when a turn did not finish, or when scoring runs out
+        of memory (the answers are kept: the comparison is an extra)."""
         if not states or not all(a.finished for a in answers) or (should_stop is not None and should_stop()):
             return None
-        return compare_answers(self.lm, states, [a.tokens for a in answers])
+        try:
+            return compare_answers(self.lm, states, [a.tokens for a in answers])
+        except OUT_OF_MEMORY:
+            states.clear()
+            free_memory(self.lm.device)
+            return None
 
     def _tracker(
         self, plans: list[list[int]], on_progress: ProgressFn | None, only_new: bool = False
