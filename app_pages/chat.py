@@ -187,6 +187,8 @@ if doc_text and st.button(
             status.error(f"{err}. Your chat and document are kept.")
         except Cancelled:
             status.info("Stopped while waiting for another user.")
+        except Exception as err:  # a bug, not the user's fault: one line, never a traceback; the chat is kept
+            status.error(f"Something went wrong: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
     progress.empty()
 planted = st.session_state.get("chat_planted")
 if planted is not None and planted.document == (doc["name"] if doc else None):
