@@ -10,9 +10,13 @@ import streamlit as st
 from app_pages import common
 from kvdemo import rates
 from kvdemo.chat.lane import Answer
+from kvdemo.chat.planted import plant_and_ask
+from kvdemo.chat.questions import suggested_questions
 from kvdemo.chat.session import ChatError, ChatSession, Turn, divergence_split, work_done
+from kvdemo.figures.chat import legend_html, strip_html
 from kvdemo.prefill_modes import MODE_HELP
 from kvdemo.progress import Cancelled, Progress
+from kvdemo.results.chat import cpu_speed_caption, load_chat_speed
 from kvdemo.runner import PREFILL_MODES
 from kvdemo.sizes import cache_caption
 
@@ -31,6 +35,8 @@ st.caption(
     "Every question is answered twice: with a full-precision KV cache and with your KV precision (sidebar). "
     "The document is read once per precision; follow-up questions reuse both caches."
 )
+if lm.device.type == "cpu" and spec.is_quantized:
+    st.caption(cpu_speed_caption(load_chat_speed(), spec.label))
 
 session: ChatSession | None = st.session_state.get("chat_session")
 if session is not None and not session.wait_idle(timeout=0.05):
@@ -105,6 +111,10 @@ def show_answer(box, a: Answer, turn: Turn) -> None:
             body = common.highlighted(before, token, rest) or "<i>(no answer)</i>"
             st.markdown(body, unsafe_allow_html=True)
             st.caption(answer_caption(a))
+            scores = turn.comparison.of(a.precision) if turn.comparison is not None else None
+            if scores is not None:
+                st.markdown(strip_html(scores), unsafe_allow_html=True)
+                st.caption(scores.summary())
 
 
 def show_turn(turn: Turn, boxes: list | None = None) -> None:
@@ -119,6 +129,12 @@ def show_turn(turn: Turn, boxes: list | None = None) -> None:
         st.caption("Identical answers." if same else "No diverging token within the shorter answer.")
     else:
         st.caption(f"First diverging token: #{turn.first_divergence} (highlighted).")
+    if turn.comparison is not None:
+        st.markdown(legend_html(), unsafe_allow_html=True)
+        st.caption(
+            "Under each answer: its tokens teacher-forced through both caches (the same prompt and document), "
+            "coloured by KL(full || quantized) of the next-token distributions."
+        )
 
 
 for past in session.turns:
@@ -151,7 +167,49 @@ if read_now:
         common.record_speed(lm, "chat-read", seen)
     progress.empty()
 
-question = st.chat_input("Ask about the document", key="chat_input", submit_mode="stop")
+suggested = suggested_questions(lm.name, doc_text) if doc and doc["source"] == "sample" else []
+picked = None
+if suggested:
+    st.caption(
+        "Suggested questions: the embedded model answers these right at full precision (checked by a test); "
+        "low-bit formats often do not."
+    )
+    for col, (i, q) in zip(st.columns(len(suggested)), enumerate(suggested), strict=True):
+        if col.button(q.question, key=f"chat_suggest_{i}", help=f"Expected answer: {q.expected}. {q.note}"):
+            picked = q.question
+if doc_text and st.button(
+    "Plant a fact in this document and ask it",
+    key="chat_plant",
+    help="Hides a pass key (5 digits) in the middle of this document and asks for it at full precision and at "
+    f"{spec.label}, in a chat of its own: your conversation and document are kept.",
+):
+    with st.spinner("Planting a fact and asking for it at both precisions..."):
+        try:
+            st.session_state["chat_planted"] = plant_and_ask(
+                lm, spec, doc_text, doc["name"], prefill_mode=mode, on_progress=on_progress, on_wait=on_wait
+            )
+        except ChatError as err:
+            status.error(f"{err}. Your chat and document are kept.")
+        except Cancelled:
+            status.info("Stopped while waiting for another user.")
+        except Exception as err:  # a bug, not the user's fault: one line, never a traceback; the chat is kept
+            status.error(f"Something went wrong: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    progress.empty()
+planted = st.session_state.get("chat_planted")
+if planted is not None and planted.document == (doc["name"] if doc else None):
+    with st.container(border=True, key="chat_planted_box"):
+        st.markdown(f"**Planted fact** ({planted.depth:.0%} into {planted.document}): {planted.needle}")
+        st.markdown(f"Asked: *{planted.question}* · expected **{planted.expected}**")
+        cols = st.columns(len(planted.answers))
+        for col, (prec, text) in zip(cols, planted.answers.items(), strict=True):
+            verdict = "found it" if planted.found[prec] else "did not find it"
+            col.markdown(f"**{prec}** ({verdict}): {html.escape(text) or '<i>(no answer)</i>'}", unsafe_allow_html=True)
+            scores = planted.comparison.of(prec) if planted.comparison is not None else None
+            if scores is not None:
+                col.markdown(strip_html(scores), unsafe_allow_html=True)
+                col.caption(scores.summary())
+
+question = st.chat_input("Ask about the document", key="chat_input", submit_mode="stop") or picked
 if question:
     with st.chat_message("user"):
         st.markdown(question)

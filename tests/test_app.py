@@ -844,3 +844,26 @@ def test_fit_codebooks_on_the_uploaded_document_and_go_back(lm, tmp_path, monkey
     assert not at.exception and len(seen) == 1 and not path.exists()
     assert any("at least 128 tokens" in e.value for e in at.error), texts(at, "error")
     assert at.session_state["document"]["name"] == "memo.txt"
+
+
+# --- chat: suggested questions, the per-token comparison, a planted fact ------------------------------
+def test_chat_suggested_question_shows_the_comparison_and_a_planted_fact_keeps_the_chat():
+    from kvdemo.chat.questions import SAMPLE_QUESTIONS
+
+    at = start("app_pages/chat.py")
+    at.number_input(key="chat_max_new").set_value(8).run()
+    assert any("Triton kernels read the codes directly" in c.value for c in at.caption)  # why CPU decodes slower
+    at.button(key="chat_suggest_0").click().run()
+    assert not at.exception, at.exception
+    session = at.session_state["chat_session"]
+    assert [t.question for t in session.turns] == [SAMPLE_QUESTIONS[0].question]
+    assert session.turns[0].comparison is not None
+    assert sum("kv-strip" in m.value for m in at.markdown) == 2  # a strip under each answer
+    assert any(c.value.startswith("log p(answer):") for c in at.caption)
+    at.button(key="chat_plant").click().run()
+    assert not at.exception, at.exception
+    planted = at.session_state["chat_planted"]
+    assert set(planted.found) == {"full", "int4"} and planted.expected in planted.needle
+    assert any(m.value.startswith("**Planted fact**") for m in at.markdown)
+    assert at.session_state["chat_session"] is session and len(session.turns) == 1  # the chat is kept
+    assert planted.needle not in session.document

@@ -388,3 +388,38 @@ def test_needle_time_estimate_is_within_2x_of_the_real_time(server, page):
         took.append((seconds_of(estimate), float(finished.search(heading.inner_text()).group(1))))
     estimated, real = took[-1]
     assert real / 2 <= estimated <= real * 2, f"estimated {estimated} s, took {real} s (runs: {took})"
+
+
+def test_chat_first_insight_suggested_question(server, page, tmp_path):
+    """The first-insight path: the bundled sample, one click on a suggested question, the full-precision answer
+    is right and each answer has its per-token comparison under it."""
+    from playwright.sync_api import expect
+
+    from kvdemo.chat.questions import SAMPLE_QUESTIONS
+    from kvdemo.needle.prompts import answer_matches
+
+    page.goto(server, wait_until="domcontentloaded")
+    page.get_by_text("KV bytes/token, full (").first.wait_for(timeout=MODEL_WORK_S * 1000)  # model loaded
+    idle(page)
+    goto(page, "Chat")
+    page.get_by_text("Chat with a document").first.wait_for()
+    page.get_by_text(re.compile(r"Pride and Prejudice \(first 1,024 tokens\): [\d,]+ tokens")).wait_for(
+        timeout=MODEL_WORK_S * 1000
+    )
+    idle(page)
+    fill(page, "Longest answer (tokens)", "48")  # the quantized answer may loop: keep the run short
+    first = SAMPLE_QUESTIONS[0]
+    page.get_by_role("button", name=first.question).click()
+    done = page.get_by_text(re.compile("First diverging token|Identical answers|No diverging token"))
+    done.first.wait_for(timeout=3 * MODEL_WORK_S * 1000)
+    idle(page)
+    no_exception(page)
+    expect(page.locator('[data-testid="stChatMessage"]')).to_have_count(3)  # the question and two answers
+    full = page.locator('[data-testid="stChatMessage"]').nth(1).inner_text()
+    assert "full" in full.splitlines()[:3] and answer_matches(first.expected, full), full
+    strips = page.locator(".kv-strip")
+    expect(strips).to_have_count(2)  # one per answer
+    assert strips.first.locator(".kv-tok").count() >= 2
+    expect(page.get_by_text(re.compile(r"^log p\(answer\):")).first).to_be_visible()
+    expect(page.get_by_text(re.compile("KL\\(full \\|\\| quantized\\)")).first).to_be_visible()
+    shoot(page, tmp_path, "chat_compare")  # never into REFRESH's folder: the README's set stays as it is

@@ -95,12 +95,19 @@ def test_answer_ends_at_a_sentence_near_its_cap(monkeypatch):
     assert (a.stopped, a.text, a.decode_steps) == ("sentence", "The cat sat. It ran far.", 8)
     cut = scripted(monkeypatch, ["The", " cat", " sat", " far"] * 4, cap=6)
     assert (cut.stopped, len(cut.tokens), cut.decode_steps) == ("length", 6, 5)  # no sentence end: the cap cuts
+    # a line broken mid-sentence is no sentence end: a looping answer runs to the cap, and says so
+    broken = scripted(monkeypatch, ["The", " cat", " sat", "\n"] * 4, cap=10)
+    assert (broken.stopped, len(broken.tokens)) == ("length", 10)
+    para = scripted(monkeypatch, ["The", " cat", " sat", ".", "\n"] * 4, cap=10)
+    assert (para.stopped, para.text) == ("sentence", "The cat sat.\nThe cat sat.")
     eos = scripted(monkeypatch, ["The", " cat", "<eos>", " far"], cap=6)
     assert (eos.stopped, eos.text, len(eos.tokens)) == ("eos", "The cat", 3)  # the end-of-turn token is no text
 
 
 def test_sentence_ends_skip_abbreviations_and_decimals():
-    assert ends_sentence("It ran.", " The") and ends_sentence("Really?", " Yes") and ends_sentence("a list", "\n")
+    assert ends_sentence("It ran.", " The") and ends_sentence("Really?", " Yes") and ends_sentence("A list:", "\n")
+    assert ends_sentence("Items:\n- a pear", "\n") and ends_sentence("It ran.\n2. It sat", "\n")
+    assert not ends_sentence("We met Mrs.", "\n") and not ends_sentence('She said "Mrs.', " Long")
     assert not ends_sentence("It ran.", "14")  # "3." + "14"
     assert not ends_sentence("We met Mr.", " Darcy") and not ends_sentence("see e.g.", " this")
     assert not ends_sentence("by J.", " Austen") and not ends_sentence("It ran", " far")

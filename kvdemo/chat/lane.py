@@ -4,8 +4,9 @@ can take turns and stream side by side (`kvdemo/chat/session.py` runs them).
 
 An answer ends at the model's end-of-turn token, at its cap (`max_new_tokens`), or, once it is in
 the last quarter of the cap, at the first sentence end: the text so far ends in `.`, `!` or `?`
-(not an abbreviation such as "Mr.") and the next token starts with a space or a line break. The
-cap therefore cuts mid-sentence only when no sentence ended in that last quarter.
+(not an abbreviation such as "Mr.") and the next token starts with a space, or the next token breaks
+the line after a complete one (a sentence, a list item, a heading, a line ending in `:`). The cap
+therefore cuts mid-sentence only when no sentence ended in that last quarter.
 
 No Streamlit here. References: KIVI (arXiv:2402.02750) for the residual/blocked cache a lane holds;
 vLLM's automatic prefix caching for reusing a prompt's cached prefix across requests.
@@ -30,6 +31,7 @@ from ..runner import PREFILL_MODES, decoder_layers, layer_progress, new_cache, p
 SENTENCE_WINDOW = 0.25  # the last quarter of the cap: there an answer ends at the first sentence end
 ABBREVIATIONS = {"mr.", "mrs.", "ms.", "dr.", "st.", "mt.", "jr.", "sr.", "vs.", "etc.", "e.g.", "i.e.", "no."}
 _SENTENCE_END = re.compile(r"[.!?…][\"'”’)\]*_]*$")
+_OPENERS = "\"'“‘([*_"  # quotes and brackets a word may open with: '"Mr.' is still "Mr."
 
 TokenCallback = Callable[["Answer", str], None]  # (the answer so far, its newest token's text; "" if none)
 
@@ -81,18 +83,35 @@ def sentence_window_start(cap: int) -> int:
 
 
 def ends_sentence(text: str, next_piece: str) -> bool:
-    """True when `text` ends a sentence and `next_piece` (the next token's text) starts the next one."""
-    if next_piece.startswith("\n") and text.strip():
-        return True  # a line break: the end of a paragraph or a list item
+    """True when `text` ends a sentence and `next_piece` (the next token's text) starts the next one.
+
+    A line break ends a sentence only after a line that is one: it ends in `.`, `!`, `?` or `:`, or it is a
+    list item or a heading. A line broken mid-sentence (a model looping over a quote it breaks into lines)
+    is not an end, so an answer said to end at a sentence end never stops mid-sentence.
+    """
+    line = text.rsplit("\n", 1)[-1].strip()
+    if next_piece.startswith("\n") and line:
+        return _complete_line(line)
     if not next_piece[:1].isspace():
         return False  # "3." + "14", "e.g" + "."
+    return _ends_with_sentence_end(text)
+
+
+def _ends_with_sentence_end(text: str) -> bool:
     words = text.split()
     if not words or not _SENTENCE_END.search(words[-1]):
         return False
-    last = words[-1].lower()
+    last = words[-1].lower().lstrip(_OPENERS)
     if last in ABBREVIATIONS or re.fullmatch(r"[a-z]\.", last):
-        return False  # "Mr. Darcy", "J. Austen"
+        return False  # "Mr. Darcy", '"Mrs. Long', "J. Austen"
     return not re.fullmatch(r"\d+\.", text.rsplit("\n", 1)[-1].strip())  # "2." opening a list item
+
+
+def _complete_line(line: str) -> bool:
+    """A line that may end an answer before a line break: a sentence end, a colon, a list item, a heading."""
+    if re.match(r"([-*•+]|\d+[.)]|#+)\s", line) or re.fullmatch(r"\*\*.+\*\*:?", line):
+        return True
+    return line.endswith(":") or _ends_with_sentence_end(line)
 
 
 class Lane:

@@ -34,7 +34,9 @@ import torch
 from ..models import LoadedModel, WaitCallback, model_lock
 from ..precision import PRESETS, PrecisionSpec, parse_precision
 from ..progress import ProgressFn, StopFn, Tracker
+from ..results.chat import AnswerComparison
 from ..runner import PREFILL_CHUNK, PREFILL_MODES, chat_ids, first_divergence, stop_token_ids
+from .compare import PromptState, compare_answers, snapshot
 from .lane import Answer, Decoding, Lane, TokenCallback, decode_together, free_memory
 
 SYSTEM_PROMPT = "Answer the user's questions about the document below. Be brief and quote the document when you can."
@@ -54,6 +56,7 @@ class Turn:
     answers: list[Answer]
     first_divergence: int | None  # first token index where the chosen precision differs from baseline
     waited_s: float = 0.0  # time spent waiting for another user's generation
+    comparison: AnswerComparison | None = None  # each answer scored under both caches (finished turns only)
 
     @property
     def cancelled(self) -> bool:
@@ -77,6 +80,7 @@ class ChatSession:
         baseline: PrecisionSpec | str = "full",
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_mode: str = "chunked",
+        compare: bool = True,
     ):
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
@@ -85,6 +89,7 @@ class ChatSession:
         self.prefill_mode = prefill_mode  # how a new quantized cache stores the document (runner.PREFILL_MODES)
         self.lm = lm
         self.prefill_chunk = prefill_chunk
+        self.compare = compare  # score each finished turn's answers under both caches (kvdemo/chat/compare.py)
         self.baseline = parse_precision(baseline)
         self.document = document.strip()
         self.turns: list[Turn] = []
@@ -235,13 +240,13 @@ class ChatSession:
         answers = [Answer(lane.label, cap=max_new_tokens) for lane in self._lanes]
         with self._running, model_lock(self.lm, on_wait, should_stop) as waited, self._caches_freed_on_oom("answering"):
             try:
-                self._answer(plans, answers, on_token, self._tracker(plans, on_progress), should_stop)
+                comparison = self._answer(plans, answers, on_token, self._tracker(plans, on_progress), should_stop)
             except OUT_OF_MEMORY:
                 raise  # nothing recorded: the user can ask again once the caches are freed
             except BaseException:
                 self._record(question, msgs, answers, waited)  # interrupted by a callback: keep the partial turn
                 raise
-            return self._record(question, msgs, answers, waited)
+            return self._record(question, msgs, answers, waited, comparison)
 
     def _answer(
         self,
@@ -250,17 +255,38 @@ class ChatSession:
         on_token: TokenCallback | None,
         track: Tracker | None,
         should_stop: StopFn | None,
-    ) -> None:
-        """Prefill every lane, then decode them together; returns early (answers "cancelled") when stopped."""
+    ) -> AnswerComparison | None:
+        """Prefill every lane, then decode them together; returns early (answers "cancelled") when stopped.
+
+        With `compare`, each lane's cache is forked once its prompt is read, and a turn whose answers both
+        finished is scored token by token under both forks (`compare.compare_answers`).
+        """
         stop_ids = stop_token_ids(self.lm)
-        decodings = []
+        decodings, states = [], []
         for lane, ids, answer in zip(self._lanes, plans, answers, strict=True):
             answer.stopped = "cancelled"  # until its decoding says otherwise
             logits = lane.feed(self.lm, ids, answer, self.prefill_chunk, track, should_stop, self.prefill_mode)
             if logits is None:
-                return
+                return None
+            if self.compare:
+                states.append(snapshot(lane.label, lane.cache, logits))
             decodings.append(Decoding(lane, answer, logits, stop_ids))
         decode_together(self.lm, decodings, on_token, should_stop)
+        return self._compare(states, answers, should_stop)
+
+    def _compare(
+        self, states: list[PromptState], answers: list[Answer], should_stop: StopFn | None
+    ) -> AnswerComparison | None:
+        """The answers scored under both prompt caches; None when a turn did not finish, or when scoring runs out
+        of memory (the answers are kept: the comparison is an extra)."""
+        if not states or not all(a.finished for a in answers) or (should_stop is not None and should_stop()):
+            return None
+        try:
+            return compare_answers(self.lm, states, [a.tokens for a in answers])
+        except OUT_OF_MEMORY:
+            states.clear()
+            free_memory(self.lm.device)
+            return None
 
     def _tracker(
         self, plans: list[list[int]], on_progress: ProgressFn | None, only_new: bool = False
@@ -297,7 +323,14 @@ class ChatSession:
                 "or a lower KV precision (int4, int2)"
             ) from None
 
-    def _record(self, question: str, msgs: list[list[dict]], answers: list[Answer], waited: float) -> Turn:
+    def _record(
+        self,
+        question: str,
+        msgs: list[list[dict]],
+        answers: list[Answer],
+        waited: float,
+        comparison: AnswerComparison | None = None,
+    ) -> Turn:
         tok = self.lm.tokenizer
         for lane, m, answer in zip(self._lanes, msgs, answers, strict=True):
             answer.text = tok.decode(answer.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -307,7 +340,7 @@ class ChatSession:
             lane.messages = m + [{"role": "assistant", "content": answer.text.strip()}]
         base, chosen = answers[0], answers[-1]
         div = first_divergence(base.tokens, chosen.tokens) if base.tokens and chosen.tokens else None
-        turn = Turn(question, answers, div, waited)
+        turn = Turn(question, answers, div, waited, comparison)
         self.turns.append(turn)
         return turn
 
