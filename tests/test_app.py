@@ -16,6 +16,8 @@ import torch
 from streamlit.runtime.scriptrunner_utils.exceptions import StopException
 from streamlit.testing.v1 import AppTest
 
+from kvdemo.results import labels
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 300  # seconds per script run: model work on 2 busy CPU cores
 NOTES = (
@@ -476,7 +478,7 @@ def test_needle_page_marks_cells_where_full_precision_missed():
     at.run()
     assert not at.exception
     assert any("Full precision itself missed 1 of 2 cells" in w.value for w in at.warning)
-    assert "full_missed" in at.dataframe[0].value.columns  # the summary
+    assert labels.label("full_missed") in at.dataframe[0].value.columns  # the summary, with readable column names
     heat = json.loads(at.get("plotly_chart")[0].proto.spec)
     assert any("full missed" in t for trace in heat["data"] for row in trace["text"] for t in row)
 
