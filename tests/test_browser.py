@@ -1,10 +1,12 @@
 """A real browser against `streamlit run app.py`: Debian Chromium driven by Playwright (sync API).
 
-Opens every page through the app's own navigation (one session throughout), uploads a file, sends a
+The server starts with a fresh model cache (its first page converts the embedded GGUF, as on a new user's
+machine). Opens every page through the app's own navigation (one session throughout), uploads a file, sends a
 chat message and waits for both answers, runs a small needle grid, a perplexity run and a drift run, and takes a
-screenshot of each page into a temporary folder; checks that a needle grid's time estimate, once a first grid
-measured this machine's speed, is within 2x of the time the grid then took. Every wait has a timeout and the server is always
-killed. With KVDEMO_SCREENSHOTS=assets/screenshots the screenshots go there instead, at larger sizes
+screenshot of each page into a temporary folder; checks that a needle grid's time estimate, once earlier grids
+measured this machine's speed, is within 2x of the time the grid then took; clicks a suggested question on the
+bundled document and checks the right full-precision answer and the per-token comparison. Every wait has a
+timeout and the server is always killed. With KVDEMO_SCREENSHOTS=assets/screenshots the screenshots go there instead, at larger sizes
 (this is how the README's screenshots are refreshed):
 
     KVDEMO_SCREENSHOTS=assets/screenshots .venv/bin/python -m pytest -q tests/test_browser.py
@@ -93,6 +95,8 @@ def server(tmp_path_factory):
     env = os.environ | {"STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false", "TOKENIZERS_PARALLELISM": "false"}
     env |= {"KVDEMO_FINDINGS_QUICK_SIZES": "tiny", "KVDEMO_FINDINGS_CACHE": "0"}  # Findings re-runs: small, measured
     env |= {"KVDEMO_RATES_FILE": str(log_path.with_name("rates.json"))}  # time hints: this server's runs only
+    # a fresh model cache: the first page converts the embedded GGUF, as a new user's first visit does
+    env |= {"KVDEMO_CACHE_DIR": str(log_path.with_name("cache"))}
     cmd = [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true"]
     cmd += ["--server.port", str(port), "--server.address", "127.0.0.1"]
     cmd += ["--server.fileWatcherType", "none", "--server.runOnSave", "false"]  # other edits must not rerun it
