@@ -205,7 +205,7 @@ def test_memory_page_measures_headroom_with_real_caches():
 @pytest.mark.model
 def test_needle_and_drift_pages_choose_and_compare_prefill_modes(small_chunk):
     at = _page("app_pages/needle.py")
-    assert at.radio(key="needle_prefill_mode").value == "exact"
+    assert at.radio(key="needle_prefill_mode").value == "chunked"
     at.text_input(key="needle_lengths").set_value("280")
     at.text_input(key="needle_depths").set_value("50")
     at.multiselect(key="needle_precisions").set_value(["full", "int4"])
@@ -214,11 +214,12 @@ def test_needle_and_drift_pages_choose_and_compare_prefill_modes(small_chunk):
     cell = at.session_state["needle_modes_result"]
     assert cell.chunks > 1 and cell.results[0]["precision"] == "int4"
     assert any("chunked minus exact" in m.value for m in at.markdown)
-    at.radio(key="needle_prefill_mode").set_value("chunked")
-    at.button(key="needle_run").click().run()
-    assert at.session_state["needle_result"].prefill_mode == "chunked"
-    rows = {r.precision: r for r in at.session_state["needle_result"].rows}
-    assert rows["int4"].answer_logprob == cell.results[0]["chunked"]["answer_logprob"]
+    for mode in ("exact", "chunked"):
+        at.radio(key="needle_prefill_mode").set_value(mode)
+        at.button(key="needle_run").click().run()
+        assert at.session_state["needle_result"].prefill_mode == mode
+        rows = {r.precision: r for r in at.session_state["needle_result"].rows}
+        assert rows["int4"].answer_logprob == cell.results[0][mode]["answer_logprob"]
 
     at.switch_page("app_pages/drift.py").run()
     assert at.radio(key="drift_prefill_mode").value == "chunked"
