@@ -20,6 +20,7 @@ from kvdemo.findings.text import FindingsError
 from kvdemo.results import ablation as ablation_results
 from kvdemo.results import findings as results
 from kvdemo.results.kv_split import load_kv_split
+from kvdemo.results.ppl import load_llamacpp_report, side_by_side
 
 VERDICT_COLORS = {True: "green", False: "red", None: "gray"}
 
@@ -143,6 +144,17 @@ for c in view.claims:
         st.dataframe(pd.DataFrame(results.production_rows(production)), hide_index=True, key="findings_production")
     st.caption(f"How it was measured: {c.method}")
     st.page_link(c.page, label="Explore this on its page", icon=":material/arrow_forward:")
+
+engines = load_llamacpp_report()
+if engines is not None:
+    st.header("kvdemo's formats beside llama.cpp's cache types", divider="gray")
+    st.markdown(
+        f"The same GGUF file and the same tokens through llama.cpp's own quantized cache ({engines.engine['engine']}, "
+        "`-ctk/-ctv`, flash attention on) and through kvdemo's, at equal code widths. Each row is read against its "
+        "own engine's full-precision row: the two engines' kernels differ, so only their costs compare."
+    )
+    st.dataframe(pd.DataFrame(side_by_side(engines)), hide_index=True, key="findings_llamacpp")
+    st.caption(f"{engines.command} ({engines.date}); the protocol: {engines.engine['protocol']}.")
 
 ablation = ablation_results.load_ablation()
 if ablation is not None:

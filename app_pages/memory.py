@@ -123,6 +123,7 @@ if out is not None:
 
     st.subheader(f"Take {spec.label} to production")
     from kvdemo.production import ENGINES, production_settings
+    from kvdemo.results.ppl import measured_setting
 
     prod = production_settings(spec, out.model["head_dim"])
     for engine in ENGINES:
@@ -131,6 +132,9 @@ if out is not None:
             st.markdown(f"**{engine}** ({e['match']} match, {e['bits_per_element']['key']:.3g} / "
                         f"{e['bits_per_element']['value']:.3g} bits K / V)")  # fmt: skip
             st.code(e["setting"], language="bash")
+            measured = measured_setting(engine, e["setting"])
+            if measured:
+                st.caption(measured)
             for gap in e["cannot_express"]:
                 st.caption(f"cannot express: {gap}")
             for note in e["notes"]:

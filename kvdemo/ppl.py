@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import codebooks as books
-from . import runner
+from . import engines, llamacpp, runner
 from .attention import DECODE_MAX_QUERIES
 from .models import LoadedModel
 from .precision import PrecisionSpec, parse_precision
@@ -196,47 +196,77 @@ def run_ppl(
     text: (name, token ids) to score, default the held-out prose. codebooks: a `codebooks.Codebooks` for the nuq
     precisions (default: the model's own). Progress in tokens of model work (`work_tokens`); each finished
     cache's row comes in `Progress.row` (its delta set, its intervals not yet: they need every cache), and
-    `Cancelled` carries those rows."""
+    `Cancelled` carries those rows. A precision written ``llama.cpp:<type>`` runs llama.cpp on the model's GGUF
+    file (kvdemo.llamacpp: its f16 row first, each of its rows read against that one), after kvdemo's rows."""
     from .memory import fp16_cache_bytes
     from .sizes import SERVE_BITS, dtype_name, from_nbytes
     from .texts import held_out_ids
 
     if tokens > lm.max_context:
         raise ValueError(f"--tokens {tokens} exceeds the model's context ({lm.max_context})")
+    ours, theirs = split_engines(precisions)
+    engine_path = llamacpp.gguf_path(lm) if theirs else None  # refused before any work when there is none
+    if theirs and llamacpp.available():
+        raise engines.LlamaCppError(llamacpp.available())
     text_name, ids = text if text is not None else (HELD_OUT_NAME, held_out_ids(lm, tokens))
     if len(ids) < tokens:
         raise ValueError(f"{text_name} has {len(ids):,} tokens; scoring {tokens:,} needs a longer text or fewer tokens")
-    specs = [parse_precision("full")] + [s for s in map(parse_precision, precisions) if s.label != "full"]
+    specs = [parse_precision("full")] + [s for s in map(parse_precision, ours) if s.label != "full"]
     caches = [(s.label, "kvdemo", lambda s=s: runner.new_cache(lm, s, codebooks)) for s in specs]
     text = list(ids[:tokens])
-    track = Tracker(work_tokens(tokens, prefix, len(specs) - 1), "tokens", on_progress, should_stop)
-    results = []
+    work = work_tokens(tokens, prefix, len(specs) - 1) + tokens * len(theirs)
+    track = Tracker(work, "tokens", on_progress, should_stop)
+    results: list[PplRow] = []
     lo, hi = tokens // 2 - prefix, tokens - prefix  # scored indices of positions [tokens/2, tokens)
     blocks = Blocks(BLOCK, RESAMPLES, SEED)
-    for name, scored in score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, track):
-        nll_index = torch.arange(len(scored.nll))
-        blocks.nll[name], blocks.nll_counts = block_means(scored.nll, nll_index, lo, hi)
-        blocks.logit_kl[name], blocks.kl_counts = block_means(scored.kl, nll_index[::kl_every], lo, hi)
-        stored = scored.cache.get_seq_length()
-        size = from_nbytes(scored.cache.nbytes(), lm.dtype)
+
+    def add_row(name: str, nll: torch.Tensor, kl: torch.Tensor, stored: int, live: int, at16: float) -> None:
         fp16 = fp16_cache_bytes(lm.num_layers, lm.kv_heads, lm.head_dim, stored)
-        perplexity = round(scored.ppl[str(tokens)], 4)
+        nll_index = torch.arange(len(nll))
+        blocks.nll[name], blocks.nll_counts = block_means(nll, nll_index, lo, hi)
+        blocks.logit_kl[name], blocks.kl_counts = block_means(kl, nll_index[::kl_every], lo, hi)
+        perplexity = round(math.exp(float(nll[lo:hi].mean())), 4)
+        base = next((r.ppl for r in results if r.precision == engines.baseline_of(name)), perplexity)
         row = PplRow(
             precision=name,
             ppl=perplexity,
-            delta_vs_full=round(perplexity - (results[0].ppl if results else perplexity), 4),
-            logit_kl=float(f"{scored.logit_kl[str(tokens)]:.4g}"),
-            bits_per_element=round(SERVE_BITS * size.at16 / fp16, 3),
-            ratio_vs_fp16=round(fp16 / size.at16, 4),
-            live_bytes=int(size.live),
+            delta_vs_full=round(perplexity - base, 4),
+            logit_kl=float(f"{float(kl[-(-lo // kl_every) : -(-hi // kl_every)].mean()):.4g}"),
+            bits_per_element=round(SERVE_BITS * at16 / fp16, 3),
+            ratio_vs_fp16=round(fp16 / at16, 4),
+            live_bytes=int(live),
             stored_tokens=stored,
         )
         results.append(row)
         track.advance(f"{name} scored", 0, row=replace(row))
+
+    for name, scored in score_caches(lm, caches, text, prefix, [tokens], chunk, None, kl_every, track):
+        size = from_nbytes(scored.cache.nbytes(), lm.dtype)
+        add_row(name, scored.nll, scored.kl, scored.cache.get_seq_length(), size.live, size.at16)
+    reference = None  # llama.cpp's f16 log-softmax rows: the KL reference of its quantized rows
+    for kv in theirs:
+        track.check(kv.label)
+        engine = llamacpp.Engine(engine_path, kv, n_ctx=tokens)
+        try:
+            nll, kept = llamacpp.score_text(
+                engine, text, prefix, chunk, kl_every, lambda n, what=kv.label: _count(track, what, n)
+            )
+            stored, live = engine.n_tokens, engine.kv_bytes()
+        finally:
+            engine.close()
+        reference = kept if reference is None else reference
+        add_row(kv.label, nll.double(), logit_kl(reference, kept).double(), stored, live, live)
+        del kept
     drawn = resampled_figures(blocks)
     for r in results:
         r.delta_vs_full_ci95 = interval95(drawn["delta_vs_full"][r.precision])
         r.logit_kl_ci95 = interval95(drawn["logit_kl"][r.precision])
+    basis = (
+        f"bits and ratios at 16 bits for the full-precision parts (the model runs in {dtype_name(lm.dtype)}); "
+        "live_bytes as stored"
+    )
+    if theirs:
+        basis += "; llama.cpp rows: its cache rows as allocated (ggml blocks), read against llama.cpp's own f16 row"
     return PplReport(
         model=lm.name,
         text=text_name,
@@ -244,12 +274,25 @@ def run_ppl(
         prefix=prefix,
         chunk=chunk,
         scored_positions=[tokens // 2, tokens],
-        basis=f"bits and ratios at 16 bits for the full-precision parts (the model runs in {dtype_name(lm.dtype)}); "
-        "live_bytes as stored",
+        basis=basis,
         results=results,
         blocks=blocks,
         codebooks=books.used_by(lm, specs, codebooks),
+        engine=llamacpp.engine_note(engine_path) if theirs else None,
     )
+
+
+def split_engines(precisions: Sequence[PrecisionSpec | str]) -> tuple[list, list[engines.KvTypes]]:
+    """(kvdemo precisions as given, llama.cpp contenders with its f16 row first when there are any)."""
+    named = [p for p in precisions if isinstance(p, str) and engines.is_llamacpp(p)]
+    _, theirs = engines.split_contenders(named)
+    return [p for p in precisions if not (isinstance(p, str) and engines.is_llamacpp(p))], theirs
+
+
+def _count(track: Tracker, what: str, n: int) -> None:
+    """One llama.cpp call's tokens counted, and a stop requested before the next."""
+    track.advance(what, n)
+    track.check(what)
 
 
 HELD_OUT_TOKENS = 16384  # the most the held-out prose gives before it repeats (17.2k SmolLM2 tokens)
@@ -362,7 +405,7 @@ def block_means(values: torch.Tensor, index: torch.Tensor, lo: int, hi: int, blo
 def resampled_figures(blocks: Blocks) -> dict[str, dict[str, torch.Tensor]]:
     """A report's blocks -> {"delta_vs_full" | "logit_kl": {precision: [RESAMPLES] figure on each draw}}:
     the same seeded draws of blocks (with replacement) for every cache; the delta is against the first cache
-    (full precision)."""
+    (full precision), a llama.cpp row's against llama.cpp's own f16 row."""
     gen = torch.Generator().manual_seed(blocks.seed)
     n_blocks = len(blocks.nll_counts)
     draws = torch.randint(0, n_blocks, (blocks.resamples, n_blocks), generator=gen)
@@ -375,9 +418,9 @@ def resampled_figures(blocks: Blocks) -> dict[str, dict[str, torch.Tensor]]:
         return {name: w @ torch.tensor(m, dtype=torch.float64) / total for name, m in per_block.items()}
 
     ppl = {name: nll.exp() for name, nll in means(blocks.nll, blocks.nll_counts).items()}
-    full = next(iter(ppl.values()))
+    first = next(iter(ppl.values()))
     return {
-        "delta_vs_full": {name: p - full for name, p in ppl.items()},
+        "delta_vs_full": {name: p - ppl.get(engines.baseline_of(name), first) for name, p in ppl.items()},
         "logit_kl": means(blocks.logit_kl, blocks.kl_counts),
     }
 

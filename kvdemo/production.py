@@ -57,13 +57,13 @@ settle it):
 
 from __future__ import annotations
 
-from . import formats
+from . import engines, formats
 from .precision import PrecisionSpec, parse_precision
 
 ENGINES = ("vllm", "sglang", "tensorrt-llm", "llama.cpp", "transformers")
 
 # llama.cpp cache types: bits per element (ggml blocks of 32: codes + fp16 scale [+ fp16 min])
-LLAMA_CPP_BITS = {"f16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
+LLAMA_CPP_BITS = {name: t.bits for name, t in engines.CACHE_TYPES.items()}
 LLAMA_CPP_BLOCK = 32
 LLAMA_CPP_ROT_MULTIPLE = 64  # the Hadamard rotation of a quantized cache needs head_dim % 64 == 0
 QUANTO_BITS = (2, 4)

@@ -427,3 +427,42 @@ def test_chat_first_insight_suggested_question(server, page, tmp_path):
     expect(page.get_by_text(re.compile(r"^log p\(answer\):")).first).to_be_visible()
     expect(page.get_by_text(re.compile("KL\\(full \\|\\| quantized\\)")).first).to_be_visible()
     shoot(page, tmp_path, "chat_compare")  # never into REFRESH's folder: the README's set stays as it is
+
+
+@pytest.mark.llamacpp
+def test_api_probe_page_against_two_llamacpp_servers(server, page, tmp_path):
+    """The API probe page in Chromium, probing llama.cpp's own server with an f16 cache and one with q4_0 (real
+    engines on loopback), beside an endpoint that is not there: found rates, heatmaps, the difference map, the
+    unreachable endpoint's message, and the downloads."""
+    import contextlib
+
+    from kvdemo.engines import KvTypes
+    from kvdemo.models import embedded_gguf
+    from kvdemo.probe.local import start_servers
+
+    shots = Path(REFRESH) if REFRESH else tmp_path / "screenshots"
+    shots = shots if shots.is_absolute() else ROOT / shots
+    shots.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        kvs = [KvTypes("f16", "f16"), KvTypes("q4_0", "q4_0")]
+        endpoints = start_servers(stack, embedded_gguf(), kvs, n_ctx=2048)
+        lines = [f"{e.name}={e.base_url},{e.model}" for e in endpoints]
+        lines.append(f"gone=http://127.0.0.1:{free_port()}/v1,nothing")
+        page.goto(f"{server}/probe", wait_until="domcontentloaded")
+        page.get_by_text("Add endpoints, set the grid").first.wait_for(timeout=MODEL_WORK_S * 1000)
+        idle(page)
+        box = page.get_by_label("Endpoints, one per line: NAME=BASE_URL,MODEL[,KEY_ENV]")
+        box.fill("\n".join(lines))
+        box.press("Control+Enter")
+        idle(page)
+        fill(page, "Prompt lengths (estimated tokens)", "300,600" if not REFRESH else "300,600,900")
+        fill(page, "Depths (% of the haystack)", "10,90" if not REFRESH else "0,50,100")
+        page.get_by_role("button", name="Run probe").click()
+        page.get_by_text(re.compile(r"passkey needle: \d+ cells")).first.wait_for(timeout=MODEL_WORK_S * 1000)
+        idle(page)
+    no_exception(page)
+    page.get_by_text(re.compile(r"gone: cannot reach http://127\.0\.0\.1")).first.wait_for()
+    page.get_by_text(re.compile(r"llama\.cpp-q4_0 against llama\.cpp-f16")).first.wait_for()
+    assert page.locator('[data-testid="stPlotlyChart"]').count() == 2  # heatmaps and the difference map
+    assert page.get_by_role("button", name="Download JSON").count() == 1
+    shoot(page, shots, "probe")

@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kvdemo",
             "kvdemo.configs",
             "kvdemo.formats",
+            "kvdemo.engines",
             "kvdemo.precision",
             "kvdemo.layout",
             "kvdemo.production",
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("kvdemo.codebooks", "kvdemo.cache")),
     ("attention", ("kvdemo.attention",)),
     ("models", ("kvdemo.models",)),
-    ("runner", ("kvdemo.runner", "kvdemo.graphs", "kvdemo.batch")),
+    ("runner", ("kvdemo.runner", "kvdemo.graphs", "kvdemo.batch", "kvdemo.llamacpp")),
     (
         "measures",
         (

@@ -121,7 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("needle", help="needle-in-a-haystack grid: full precision vs quantized")
     _model_args(p)
-    p.add_argument("--precision", default="full,int8,int4,int2")
+    p.add_argument(
+        "--precision",
+        default="full,int8,int4,int2",
+        help="KV precisions; llama.cpp:<type> (f16, q8_0, q5_1, q5_0, q4_1, iq4_nl, q4_0) runs llama.cpp's own "
+        "cache on the same GGUF file and prompts, against its f16 row",
+    )
     p.add_argument("--lengths", default="1024,2048,4096", help="haystack lengths in tokens")
     p.add_argument("--depths", default="0,25,50,75,100", help="needle depths in percent")
     p.add_argument("--kind", default="passkey", choices=["passkey", "multikey", "custom"])
@@ -172,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--backoff-s", type=float, default=1.0, help="first retry's wait, doubled each retry (or Retry-After)"
     )
     p.add_argument("--max-tokens", type=_positive_int, default=32, help="answer tokens asked for")
+    p.add_argument(
+        "--llamacpp",
+        default="",
+        help="also start llama.cpp's own server on loopback once per KV cache type (e.g. f16,q4_0), probe them as "
+        "endpoints llama.cpp-<type>, and check each served answer against llama.cpp in-process",
+    )
+    p.add_argument("--llamacpp-model", default="", help="the GGUF file those servers run (default: the embedded model)")
     p.add_argument("--out", default="", help="write the report: a .json file (the .csv beside it) or a folder")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_lazy("probe", "run_cli"), text=_lazy("probe", "format_text"))
@@ -201,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ppl", help="perplexity of held-out text (or yours), every token attending over the stored cache"
     )
     _model_args(p)
-    p.add_argument("--precision", default="int8,k8v4,int4,int2", help="KV precisions (full always runs first)")
+    p.add_argument(
+        "--precision",
+        default="int8,k8v4,int4,int2",
+        help="KV precisions (full always runs first); llama.cpp:<type> or llama.cpp:<key>/<value> (f16, q8_0, q5_1, "
+        "q5_0, q4_1, iq4_nl, q4_0) scores llama.cpp's own cache on the same GGUF file and tokens, against its f16 row",
+    )
     p.add_argument("--tokens", type=_positive_int, default=4096, help="text length; scored: [tokens/2, tokens)")
     p.add_argument("--prefix", type=_positive_int, default=1024, help="tokens stored exactly before scoring starts")
     p.add_argument(

@@ -27,7 +27,7 @@ def run_cli(args) -> NeedleGrid:
     from ..machine import machine_info
     from ..models import load_model
 
-    specs = specs_with_full(args.precision)
+    specs_with_full(args.precision)  # a bad precision fails before the model loads
     lengths = parse_numbers(args.lengths, "--lengths", int)
     depths = parse_numbers(args.depths, "--depths", float)
     for d in depths:
@@ -49,7 +49,7 @@ def run_cli(args) -> NeedleGrid:
         lm,
         lengths,
         depths,
-        specs,
+        args.precision,
         kind=args.kind,
         document=document,
         document_name=name,
@@ -131,14 +131,14 @@ def format_text(grid: NeedleGrid) -> str:
         for d in grid.depths:
             runs = [cells.get((label, n, d)) for n in grid.lengths]
             lines.append(f"{_depth_label(d):>7}" + "".join(f"{'' if r is None else _cell_text(r):>16}" for r in runs))
-    lines.append(f"\n{'precision':<14}{'found':>9}{'95% interval':>16}{'mean logp':>11}{'vs full':>10}{'agree':>10}")
+    lines.append(f"\n{'precision':<18}{'found':>9}{'95% interval':>16}{'mean logp':>11}{'vs full':>10}{'agree':>10}")
     for s in grid.summary:
         change = "" if s["mean_logprob_change"] is None else f"{s['mean_logprob_change']:+.3f}"
         agree = "" if s["agree_with_full"] is None else f"{s['agree_with_full']}/{s['cells']}"
         interval = f"[{s['found_low']:.0%}, {s['found_high']:.0%}]" if "found_low" in s else ""
         found = f"{s['correct']}/{s['cells']}"
         lines.append(
-            f"{s['precision']:<14}{found:>9}{interval:>16}{s['mean_answer_logprob']:>11.3f}{change:>10}{agree:>10}"
+            f"{s['precision']:<18}{found:>9}{interval:>16}{s['mean_answer_logprob']:>11.3f}{change:>10}{agree:>10}"
         )
     if repeats > 1:
         lines += [f"vs full, same needles: {difference_line(d)}" for d in differences_from_full(grid.rows)]

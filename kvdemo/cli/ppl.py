@@ -7,6 +7,7 @@ import datetime
 import json
 from pathlib import Path
 
+from ..engines import split_contenders
 from ..ppl import run_ablation, run_kv_split, run_ppl
 from ..precision import parse_precision_list
 from ..results import ablation
@@ -47,7 +48,10 @@ def run_cli(args) -> PplReport | AblationReport | KvSplitReport:
         out.decode = ablation_speed(lm, args.tokens)
         options, name = f"--ablation --tokens {args.tokens} --prefix {args.prefix}", "ablation.json"
     else:
-        precisions = parse_precision_list(args.precision)
+        ours, theirs = split_contenders(args.precision)
+        if theirs and args.kv_split:
+            raise ValueError("--kv-split splits kvdemo's precisions; llama.cpp contenders go with --precision")
+        precisions = parse_precision_list(",".join(ours) or "full") + [kv.label for kv in theirs]
         run = run_kv_split if args.kv_split else run_ppl
         out = run(lm, precisions, args.tokens, args.prefix, codebooks=books, text=text, on_progress=printer())
         options = f"--precision {args.precision} --tokens {args.tokens} --prefix {args.prefix}"

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import codebooks as books
-from .. import runner
+from .. import engines, llamacpp, runner
 from ..cache import QuantizedKVCache
 from ..models import LoadedModel
 from ..precision import PRESETS, PrecisionSpec, parse_precision, parse_precision_list
@@ -148,6 +148,7 @@ def run_cell(
     prefill_mode: str = "chunked",
     codebooks=None,
     seed: int = 0,
+    engines: Sequence[engines.KvTypes] = (),
 ) -> list[NeedleRow]:
     """Every precision on one prompt: one shared prefill, then per precision suffix + score + answer.
 
@@ -158,11 +159,12 @@ def run_cell(
     prefill_mode (runner.PREFILL_MODES): "exact" stores the shared full-precision prefill quantized per
     precision; "chunked" prefills the haystack into each quantized cache chunk by chunk instead.
     codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own). seed: the seed the
-    task and prompt were drawn with, recorded in each row.
+    task and prompt were drawn with, recorded in each row. engines: llama.cpp contenders, each run after kvdemo's
+    rows on the same token ids (kvdemo.llamacpp; its f16 row first, their baseline).
     """
     if prefill_mode not in runner.PREFILL_MODES:
         raise NeedleError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(runner.PREFILL_MODES)}")
-    track = track or Tracker(len(specs) * prompt.target_length, "tokens")
+    track = track or Tracker((len(specs) + len(engines)) * prompt.target_length, "tokens")
     ctx, suffix = prompt.ids[: prompt.context_len], prompt.ids[prompt.context_len :]
     where = f"{prompt.target_length:,} tokens, depth {prompt.depth:g}%"
     track.check(where)
@@ -212,18 +214,82 @@ def run_cell(
         )
         rows[i] = row
         track.advance(_row_text(row), prompt.target_length, row)
-    return [rows[i] for i in sorted(rows)]
+    out = [rows[i] for i in sorted(rows)]
+    for kv in engines:
+        out.append(_llamacpp_row(lm, kv, task, prompt, track, prefill_s, seed))
+    return out
+
+
+def _llamacpp_row(
+    lm: LoadedModel, kv: engines.KvTypes, task: NeedleTask, prompt: NeedlePrompt, track: Tracker, prefill_s, seed
+) -> NeedleRow:
+    """One llama.cpp contender on the cell's prompt (kvdemo.llamacpp.needle_answer): the same token ids, its own
+    prefill into its own cache, the answer's log-prob and the greedy reply."""
+    where = f"{prompt.target_length:,} tokens, depth {prompt.depth:g}%, {kv.label}"
+    track.check(where)
+    t1 = time.perf_counter()
+    ctx, suffix = prompt.ids[: prompt.context_len], prompt.ids[prompt.context_len :]
+    need = prompt.length + max(task.max_new_tokens, len(prompt.answer_ids)) + 1
+    engine = llamacpp.Engine(llamacpp.gguf_path(lm), kv, n_ctx=need)
+    stop = _AnswerStop(task.kind != "custom", track.should_stop)
+    try:
+        logprob, tokens, reason = llamacpp.needle_answer(
+            engine,
+            ctx,
+            suffix,
+            prompt.answer_ids,
+            task.max_new_tokens,
+            runner.stop_token_ids(lm),
+            lambda t: stop.on_token(t, lm.tokenizer.decode([t])),
+            stop,
+        )
+    finally:
+        engine.close()
+    if stop.cancelled:
+        raise Cancelled(f"{where} was stopped", track.rows)
+    text = lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    row = NeedleRow(
+        length=prompt.target_length,
+        depth=prompt.depth,
+        precision=kv.label,
+        answer=text,
+        correct=answer_matches(task.answer, text),
+        answer_logprob=round(logprob, 4),
+        expected=task.answer,
+        kind=task.kind,
+        key=task.key,
+        prompt_tokens=prompt.length,
+        depth_actual=prompt.depth_actual,
+        needle_position=prompt.needle_position,
+        answer_tokens=len(prompt.answer_ids),
+        generated_tokens=len(tokens),
+        stopped="answer_end" if reason == "cancelled" else reason,
+        prefill_s=round(prefill_s, 3),
+        seconds=round(time.perf_counter() - t1, 3),
+        seed=seed,
+    )
+    track.advance(_row_text(row), prompt.target_length, row)
+    return row
 
 
 # --- grids ------------------------------------------------------------------------------------------------
 
 
+def _split(precisions: Sequence[PrecisionSpec | str] | str) -> tuple[list, list[engines.KvTypes]]:
+    """(kvdemo precisions, llama.cpp contenders: its f16 row first when there are any)."""
+    items = [t for t in precisions.split(",") if t.strip()] if isinstance(precisions, str) else list(precisions)
+    named = [p for p in items if isinstance(p, str) and engines.is_llamacpp(p)]
+    ours = [p for p in items if not (isinstance(p, str) and engines.is_llamacpp(p))]
+    if isinstance(precisions, str) and ours:
+        ours = parse_precision_list(",".join(ours))
+    return ours, engines.split_contenders(named)[1]
+
+
 def specs_with_full(precisions: Sequence[PrecisionSpec | str] | str) -> list[PrecisionSpec]:
     """The grid's precisions, duplicates dropped, with full precision first when none is given: it is always a
     row (the baseline every quantized run is read against)."""
-    specs = (
-        parse_precision_list(precisions) if isinstance(precisions, str) else [parse_precision(p) for p in precisions]
-    )
+    precisions, _ = _split(precisions)
+    specs = [parse_precision(p) for p in precisions]
     labels = dict.fromkeys(s.label for s in specs)
     unique = [next(s for s in specs if s.label == label) for label in labels]
     if not any(not s.is_quantized for s in unique):
@@ -236,7 +302,8 @@ def work_tokens(
 ) -> int:
     """Tokens of model work a grid does, its progress unit and its time hint's (`rates.hint`, task "needle"):
     every run's prompt, a cell's target length once per precision (full included) and seed."""
-    return sum(int(n) for n in lengths) * len(depths) * len(specs_with_full(precisions)) * repeats
+    contenders = len(specs_with_full(precisions)) + len(_split(precisions)[1])
+    return sum(int(n) for n in lengths) * len(depths) * contenders * repeats
 
 
 def check_length(lm: LoadedModel, length: int, new_tokens: int) -> None:
@@ -307,7 +374,14 @@ def run_grid(
     otherwise. `on_progress` gets a `Progress` in tokens of work (`work_tokens`) after every row, the row in
     `Progress.row`; when `should_stop()` says so the grid raises `Cancelled` carrying the rows finished.
     """
-    specs = specs_with_full(precisions)
+    try:  # llama.cpp contenders are refused before any work: a bad type, no binding, a model without GGUF
+        specs, engines = specs_with_full(precisions), _split(precisions)[1]
+        if engines:
+            llamacpp.gguf_path(lm)
+            if llamacpp.available():
+                raise NeedleError(llamacpp.available())
+    except engines.LlamaCppError as err:
+        raise NeedleError(str(err)) from None
     lengths = [int(n) for n in lengths]
     depths = [float(d) for d in depths]
     check_grid(lm, lengths, depths, repeats, kind, needle, question, answer, seed, num_keys, max_new_tokens)
@@ -325,7 +399,7 @@ def run_grid(
         if prompt.haystack_copies > 1 and name != "filler":
             note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
             notes += [note] if note not in notes else []
-        rows += run_cell(lm, task, prompt, specs, track, prefill_mode, codebooks, run_seed)
+        rows += run_cell(lm, task, prompt, specs, track, prefill_mode, codebooks, run_seed, engines)
     return NeedleGrid(
         model=lm.name,
         kind=kind,
@@ -333,7 +407,7 @@ def run_grid(
         seed=seed,
         lengths=lengths,
         depths=depths,
-        precisions=[s.label for s in specs],
+        precisions=[s.label for s in specs] + [kv.label for kv in engines],
         rows=rows,
         seconds=time.perf_counter() - t0,
         notes=notes,

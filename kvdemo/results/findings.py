@@ -19,6 +19,7 @@ from ..configs import get_gpu, get_model_config
 from ..memory import headroom
 from ..precision import parse_precision
 from ..production import ENGINES
+from .ppl import measured_setting
 
 # Every threshold a verdict uses, in one place (units in the names).
 THRESHOLDS = {
@@ -511,10 +512,15 @@ def tradeoff(found: Findings, budget: float | None = None, config: dict | None =
 
 
 def production_rows(production: dict) -> list[dict]:
-    """The pick's settings per serving engine: {"engine", "setting", "match"} (reports written before an
-    engine was mapped lack it)."""
+    """The pick's settings per serving engine: {"engine", "setting", "match", "measured here"} (reports written
+    before an engine was mapped lack it; "measured here": where kvdemo measured that setting, `measured_setting`)."""
     return [
-        {"engine": e, "setting": production[e]["setting"], "match": production[e]["match"]}
+        {
+            "engine": e,
+            "setting": production[e]["setting"],
+            "match": production[e]["match"],
+            "measured here": measured_setting(e, production[e]["setting"]),
+        }
         for e in ENGINES
         if e in production
     ]

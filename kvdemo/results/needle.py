@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ..engines import baseline_of
+
 
 @dataclass
 class NeedleRow:
@@ -166,9 +168,10 @@ def summarize(rows: Sequence[NeedleRow], baseline: str = "full") -> list[dict]:
     (`found_low`, `found_high`), mean answer log-prob, runs that agree with the baseline on the same
     (length, depth, seed), and `full_missed`: its runs where the baseline itself missed (a miss there says
     nothing about quantization)."""
-    base = {cell_key(r): r for r in rows if r.precision == baseline}
     out = []
     for label in dict.fromkeys(r.precision for r in rows):
+        own = baseline_of(label) if baseline == "full" else baseline  # a llama.cpp row: llama.cpp's f16 row
+        base = {cell_key(r): r for r in rows if r.precision == own}
         mine = [r for r in rows if r.precision == label]
         paired = [(r, base[cell_key(r)]) for r in mine if cell_key(r) in base]
         found = sum(r.correct for r in mine)
@@ -256,9 +259,8 @@ def differences_from_full(rows: Sequence[NeedleRow], baseline: str = "full") -> 
     """`paired_difference` of every other precision against `baseline`, found rate then answer log-prob, in
     the rows' order (none without a baseline)."""
     labels = list(dict.fromkeys(r.precision for r in rows))
-    if baseline not in labels:
-        return []
-    return [paired_difference(rows, x, baseline, value) for x in labels if x != baseline for value in PAIRED_VALUES]
+    pairs = [(x, baseline_of(x) if baseline == "full" else baseline) for x in labels]  # llama.cpp: its own f16
+    return [paired_difference(rows, x, b, value) for x, b in pairs if x != b and b in labels for value in PAIRED_VALUES]
 
 
 # --- lines and tables (pages, CLI, docs/) -----------------------------------------------------------------

@@ -9,6 +9,7 @@ carry (`markdown_table`); docs/methods.md's oracle-codebooks table is `codebooks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .markdown import paired_markdown
 
@@ -96,6 +97,7 @@ class PplReport:
     results: list[PplRow]
     blocks: Blocks | None = None
     codebooks: str | None = None  # what the nuq precisions' levels were fitted on, when there are any
+    engine: dict | None = None  # the llama.cpp rows' engine, file and protocol (kvdemo.llamacpp.engine_note)
     command: str | None = None
     date: str | None = None
 
@@ -122,6 +124,8 @@ class PplReport:
             d["blocks"] = self.blocks.to_json()
         if self.codebooks is not None:
             d["codebooks"] = self.codebooks
+        if self.engine is not None:
+            d["engine"] = dict(self.engine)
         return d | self.provenance_json()
 
     def provenance_json(self) -> dict:
@@ -141,6 +145,7 @@ class PplReport:
             results=[PplRow.from_json(r) for r in d["results"]],
             blocks=Blocks.from_json(d["blocks"]) if "blocks" in d else None,
             codebooks=d.get("codebooks"),
+            engine=d.get("engine"),
             command=d.get("command"),
             date=d.get("date"),
         )
@@ -227,6 +232,9 @@ def report_text(report: PplReport) -> str:
         )
     if report.codebooks is not None:
         lines.append(f"nuq codebooks: {report.codebooks}")
+    if report.engine is not None:
+        e = report.engine
+        lines.append(f"llama.cpp rows: {e['engine']} on {e['gguf']}, {e['flags']}; {e['protocol']}")
     return "\n".join(lines)
 
 
@@ -253,3 +261,93 @@ def codebooks_markdown(own: PplReport, other: PplReport, own_name: str = "own", 
     precisions in `own` (a report with the model's own codebooks, e.g. the ablation's): delta and logit KL."""
     measures = [("delta", lambda r: f"{r.delta_vs_full:+.3f}"), ("logit KL", lambda r: f"{r.logit_kl:.2e}")]
     return paired_markdown(own.results, other.results, measures, own_name, other_name, lambda r: r.precision)
+
+
+# --- kvdemo's formats beside llama.cpp's cache types, at equal code widths ---------------------------------
+
+LLAMACPP_REPORT = Path(__file__).resolve().parents[2] / "assets" / "reports" / "ppl_llamacpp.json"  # shipped run
+
+
+def code_widths(precision: str) -> tuple[int, int]:
+    """(key, value) bits per code of a row: kvdemo's precision string or a ``llama.cpp:<k>[/<v>]`` contender."""
+    from ..engines import CACHE_TYPES, is_llamacpp, parse_kv
+    from ..precision import parse_precision
+
+    if is_llamacpp(precision):
+        kv = parse_kv(precision)
+        return CACHE_TYPES[kv.key].code_bits, CACHE_TYPES[kv.value].code_bits
+    spec = parse_precision(precision)
+    return (spec.key_bits, spec.value_bits) if spec.is_quantized else (16, 16)
+
+
+def side_by_side(report: PplReport) -> list[dict]:
+    """kvdemo's rows beside llama.cpp's, grouped by code width (K/V bits per code, widest first): each row's bits
+    per element as stored, its perplexity delta with its 95% interval and its logit KL, each against its own
+    engine's full row. Only widths both engines measured; empty when the report has no llama.cpp rows."""
+    from ..engines import PREFIX as ENGINE_PREFIX
+
+    groups: dict[tuple[int, int], list[PplRow]] = {}
+    for r in report.results:
+        groups.setdefault(code_widths(r.precision), []).append(r)
+    out = []
+    for widths in sorted(groups, key=lambda w: (-sum(w), -w[0])):
+        rows = groups[widths]
+        engines = {r.precision.startswith(ENGINE_PREFIX) for r in rows}
+        if len(engines) < 2 or widths == (16, 16):
+            continue
+        for r in sorted(rows, key=lambda r: (r.precision.startswith(ENGINE_PREFIX), r.bits_per_element)):
+            out.append(
+                {
+                    "codes (K/V bits)": f"{widths[0]}/{widths[1]}" if widths[0] != widths[1] else f"{widths[0]}",
+                    "engine": "llama.cpp" if r.precision.startswith(ENGINE_PREFIX) else "kvdemo",
+                    "precision": r.precision,
+                    "bits/element": r.bits_per_element,
+                    "delta vs own full": r.delta_vs_full,
+                    "delta 95%": bracketed(r.delta_vs_full_ci95),
+                    "logit KL": float(f"{r.logit_kl:.3g}"),
+                }
+            )
+    return out
+
+
+def side_by_side_markdown(report: PplReport) -> str:
+    """`side_by_side` as the table README and docs/llamacpp.md carry."""
+    rows = side_by_side(report)
+    lines = ["| codes (K/V bits) | engine | precision | bits/element | delta vs own full | delta 95% | logit KL |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| {r['codes (K/V bits)']} | {r['engine']} | {r['precision']} | {r['bits/element']:.3f} | "
+            f"{r['delta vs own full']:+.3f} | {r['delta 95%']} | {r['logit KL']:.2e} |"
+        )
+    return "\n".join(lines)
+
+
+def measured_setting(engine: str, setting: str, report: PplReport | None = None) -> str:
+    """Where kvdemo measured a serving engine's KV setting (the production tables' "measured here"): llama.cpp's
+    ``-ctk K -ctv V`` as its row in the kvdemo-beside-llama.cpp report (default: the shipped one), with
+    llama.cpp's version and the date; "" for a setting no report measured."""
+    import re
+
+    from ..engines import KvTypes
+
+    m = re.search(r"-ctk (\S+) -ctv (\S+)", setting) if engine == "llama.cpp" else None
+    report = report or (load_llamacpp_report() if m else None)
+    if m is None or report is None:
+        return ""
+    kv = KvTypes(m.group(1), m.group(2))
+    row = next((r for r in report.results if r.precision == kv.label), None)
+    if row is None:
+        return ""
+    return (
+        f"measured: {kv.flags()} with {report.engine['engine']} on {report.date}, perplexity "
+        f"{row.delta_vs_full:+.3f} against its f16 cache, logit KL {row.logit_kl:.2e} (assets/reports/"
+        f"{LLAMACPP_REPORT.name})"
+    )
+
+
+def load_llamacpp_report(path: Path = LLAMACPP_REPORT) -> PplReport | None:
+    """The shipped kvdemo-beside-llama.cpp perplexity report, or None when there is none."""
+    import json
+
+    return PplReport.from_json(json.loads(path.read_text())) if path.is_file() else None

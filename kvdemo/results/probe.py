@@ -72,6 +72,7 @@ class ProbeReport:
     stopped: str = "done"  # "done" | "cancelled"
     notes: list[str] = field(default_factory=list)
     provenance: dict | None = None  # the command that made it, its date and machine (CLI)
+    checks: list[dict] = field(default_factory=list)  # local llama.cpp servers' answers beside in-process ones
 
     @property
     def names(self) -> list[str]:
@@ -97,6 +98,7 @@ class ProbeReport:
             "stopped": self.stopped,
             "notes": self.notes,
         }
+        out |= {"in_process_checks": self.checks} if self.checks else {}
         return out | ({"provenance": self.provenance} if self.provenance is not None else {})
 
     @classmethod
@@ -115,6 +117,7 @@ class ProbeReport:
             stopped=d.get("stopped", "done"),
             notes=d.get("notes", []),
             provenance=d.get("provenance"),
+            checks=d.get("in_process_checks", []),
         )
 
 

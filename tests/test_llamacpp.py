@@ -1,0 +1,216 @@
+"""llama.cpp as a contender (kvdemo/engines.py, kvdemo/llamacpp.py): the contender grammar and its cache sizes (no binding needed),
+then llama-cpp-python on the embedded GGUF: its cache size against llama.cpp's own log line, the perplexity and
+needle rows read against llama.cpp's f16 row, and `kvdemo probe` against two real llama.cpp servers on loopback
+(f16 and q4_0 caches, started and stopped by the fixture) with every served answer checked in-process.
+
+`make test` builds llama-cpp-python (PyPI has it as source only); these tests fail, not skip, without it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kvdemo import llamacpp
+from kvdemo.engines import CACHE_TYPES, KvTypes, LlamaCppError, baseline_of, kv_bytes, parse_kv, split_contenders
+
+# --- the grammar and the sizes (no binding) -------------------------------------------------------------------
+
+
+def test_contender_grammar():
+    assert parse_kv("llama.cpp:q4_0") == KvTypes("q4_0", "q4_0")
+    assert parse_kv(" LLAMA.CPP:q8_0/q4_0 ").label == "llama.cpp:q8_0/q4_0"
+    assert parse_kv("llama.cpp:f16").is_quantized is False
+    for bad, says in (("llama.cpp:q3_k", "unknown llama.cpp cache type"), ("int4", "not a llama.cpp contender"),
+                      ("llama.cpp:q4_0/q4_0/q4_0", "unknown llama.cpp cache type")):  # fmt: skip
+        with pytest.raises(LlamaCppError, match=says):
+            parse_kv(bad)
+    ours, theirs = split_contenders("full,int4,llama.cpp:q4_0,llama.cpp:q8_0,llama.cpp:q4_0")
+    assert ours == ["full", "int4"]
+    assert [k.label for k in theirs] == ["llama.cpp:f16", "llama.cpp:q4_0", "llama.cpp:q8_0"]  # f16 first, once
+    assert split_contenders("full,int8") == (["full", "int8"], [])
+    assert baseline_of("llama.cpp:q4_0") == "llama.cpp:f16" and baseline_of("int4") == "full"
+
+
+def test_cache_sizes_are_ggml_blocks():
+    # SmolLM2-135M: 30 layers, 3 kv heads x 64 = 192 elements per row
+    f16 = kv_bytes(30, 192, 1000, KvTypes("f16", "f16"))
+    assert f16 == 30 * 1000 * 2 * 192 * 2
+    q4 = kv_bytes(30, 192, 1000, KvTypes("q4_0", "q4_0"))
+    assert q4 == 30 * 1000 * 2 * (192 // 32) * 18  # a block: fp16 scale + 32 nibbles
+    assert f16 / q4 == pytest.approx(16 / 4.5)
+    mixed = KvTypes("q8_0", "q4_0")
+    assert mixed.bits_per_element == pytest.approx((8.5 + 4.5) / 2)
+    assert kv_bytes(30, 192, 1000, mixed) == 30 * 1000 * (6 * 34 + 6 * 18)
+    with pytest.raises(LlamaCppError, match="multiple of 32"):
+        kv_bytes(1, 48, 1, KvTypes("q4_0", "q4_0"))
+
+
+def test_a_model_without_a_gguf_file_is_refused_by_name():
+    from types import SimpleNamespace
+
+    hub = SimpleNamespace(name="HuggingFaceTB/SmolLM2-135M-Instruct", source="HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(LlamaCppError, match="run a GGUF file"):
+        llamacpp.gguf_path(hub)
+    assert llamacpp.gguf_path(SimpleNamespace(name="x", source="~/models/x.gguf")).name == "x.gguf"
+
+
+# --- the engine on the embedded GGUF --------------------------------------------------------------------------
+
+engine_tests = [pytest.mark.model, pytest.mark.llamacpp]
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    from kvdemo.models import embedded_gguf
+
+    assert llamacpp.available() is None, llamacpp.available()  # `make test` installs it: a failure, not a skip
+    return embedded_gguf()
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_cache_size_matches_llamacpps_own_log(gguf, capfd):
+    from llama_cpp import Llama
+
+    for kv in (KvTypes("f16", "f16"), KvTypes("q4_0", "q4_0"), KvTypes("q8_0", "iq4_nl")):
+        t_k, t_v = CACHE_TYPES[kv.key].ggml_type, CACHE_TYPES[kv.value].ggml_type
+        llm = Llama(str(gguf), n_ctx=512, type_k=t_k, type_v=t_v, flash_attn=True, verbose=True)
+        cells = llm.n_ctx()
+        llm.close()
+        log = capfd.readouterr().err
+        m = re.search(r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB", log)
+        assert m, log[-2000:]
+        assert (m.group(1), m.group(3)) == (kv.key, kv.value)
+        logged = (float(m.group(2)) + float(m.group(4))) * 2**20
+        assert kv_bytes(30, 192, cells, kv) == pytest.approx(logged, abs=0.01 * 2**20)  # the log rounds to 0.01 MiB
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_feeding_in_chunks_gives_the_logits_of_one_call(gguf, lm):
+    from kvdemo.texts import held_out_ids
+
+    ids = held_out_ids(lm, 200)[:200]
+    engine = llamacpp.Engine(gguf, KvTypes("f16", "f16"), n_ctx=256)
+    try:
+        whole = engine.feed(ids)
+        engine.keep(0)
+        pieces = engine.feed(ids, chunk=16)
+        engine.keep(150)  # forget the last 50: feeding them again gives their logits again
+        again = engine.feed(ids[150:])
+    finally:
+        engine.close()
+    assert whole.shape == (200, lm.config.vocab_size)
+    assert (whole.argmax(-1) == pieces.argmax(-1)).float().mean() > 0.97
+    assert torch_close(pieces[150:], again)
+    # the engine follows the text: its next-token guesses match the text far above chance
+    assert (whole[:-1].argmax(-1) == torch.tensor(ids[1:])).float().mean() > 0.25
+
+
+def torch_close(a, b) -> bool:
+    return bool((a - b).abs().max() < 1e-3 * max(1.0, float(a.abs().max())))
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_ppl_rows_read_against_llamacpps_own_f16_row(lm):
+    from kvdemo.ppl import run_ppl
+
+    report = run_ppl(lm, ["int4", "llama.cpp:q8_0", "llama.cpp:q4_0"], tokens=512, prefix=128)
+    rows = {r.precision: r for r in report.results}
+    assert list(rows) == ["full", "int4", "llama.cpp:f16", "llama.cpp:q8_0", "llama.cpp:q4_0"]
+    f16, q8, q4 = rows["llama.cpp:f16"], rows["llama.cpp:q8_0"], rows["llama.cpp:q4_0"]
+    assert f16.delta_vs_full == 0 and f16.logit_kl == 0 and f16.ratio_vs_fp16 == 1.0
+    assert q4.delta_vs_full == pytest.approx(q4.ppl - f16.ppl, abs=1e-3)  # its own engine's full row
+    assert 0 < q8.logit_kl < q4.logit_kl
+    assert q4.bits_per_element == pytest.approx(4.5) and q4.ratio_vs_fp16 == pytest.approx(16 / 4.5, rel=1e-3)
+    assert q4.live_bytes == kv_bytes(30, 192, 511, KvTypes("q4_0", "q4_0")) and q4.stored_tokens == 511
+    assert q4.delta_vs_full_ci95[0] <= q4.delta_vs_full <= q4.delta_vs_full_ci95[1]
+    assert f16.delta_vs_full_ci95 == [0.0, 0.0]  # resampled against itself
+    assert report.engine["engine"].startswith("llama-cpp-python ") and report.engine["gguf"].endswith(".gguf")
+    # the two engines run the same weights on the same tokens: their full rows agree to a few percent
+    assert rows["full"].ppl == pytest.approx(f16.ppl, rel=0.1)
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_needle_rows_pair_with_llamacpps_f16_row(lm):
+    from kvdemo.needle import run_grid
+    from kvdemo.results.needle import differences_from_full, summarize
+
+    grid = run_grid(lm, [300], [50], "full,int4,llama.cpp:q4_0", max_new_tokens=12)
+    assert grid.precisions == ["full", "int4", "llama.cpp:f16", "llama.cpp:q4_0"]
+    rows = {r.precision: r for r in grid.rows}
+    assert rows["llama.cpp:f16"].correct, rows["llama.cpp:f16"].answer  # a 300-token passkey: found
+    assert rows["llama.cpp:f16"].answer_logprob > -2
+    summary = {s["precision"]: s for s in summarize(grid.rows)}
+    mine, theirs = rows["llama.cpp:q4_0"], rows["llama.cpp:f16"]
+    assert summary["llama.cpp:q4_0"]["mean_logprob_change"] == pytest.approx(
+        mine.answer_logprob - theirs.answer_logprob, abs=1e-3
+    )
+    pairs = {(d["a"], d["b"]) for d in differences_from_full(grid.rows)}
+    assert pairs == {("int4", "full"), ("llama.cpp:q4_0", "llama.cpp:f16")}
+
+
+@pytest.mark.model
+def test_needle_grid_refuses_a_bad_llamacpp_type_before_any_work(lm):
+    from kvdemo.needle import NeedleError, run_grid
+
+    with pytest.raises(NeedleError, match="unknown llama.cpp cache type"):
+        run_grid(lm, [300], [50], "full,llama.cpp:q2_k")
+
+
+# --- two llama.cpp servers on loopback, probed side by side -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servers(gguf):
+    """llama.cpp's server with an f16 cache and one with q4_0, on free loopback ports; stopped after the module."""
+    import contextlib
+
+    from kvdemo.probe.local import start_servers
+
+    with contextlib.ExitStack() as stack:
+        yield start_servers(stack, gguf, [KvTypes("f16", "f16"), KvTypes("q4_0", "q4_0")], n_ctx=1536)
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_probe_two_llamacpp_servers_matches_llamacpp_in_process(servers, gguf):
+    from kvdemo.probe import questions, run_probe
+    from kvdemo.probe.local import in_process_checks
+    from kvdemo.results.probe import found_rates
+
+    lengths, depths = [300, 700], [10, 90]
+    report = run_probe(servers, lengths, depths, max_tokens=16, timeout_s=120)
+    assert [e["name"] for e in report.endpoints] == ["llama.cpp-f16", "llama.cpp-q4_0"]
+    assert len(report.cells) == 8 and all(c.found is not None for c in report.cells), [c.error for c in report.cells]
+    assert all(c.prompt_tokens and c.prompt_tokens > c.length * 0.8 for c in report.cells)  # usage is real
+    assert all(c.reply_logprob is not None for c in report.cells)  # llama.cpp returns chat log-probs
+    rates = {r["endpoint"]: r for r in found_rates(report.cells)}
+    assert rates["llama.cpp-f16"]["found"] >= 3  # short passkeys: the small model finds most
+    _, asked, _ = questions("passkey", lengths, depths)
+    kvs = [KvTypes("f16", "f16"), KvTypes("q4_0", "q4_0")]
+    checks = in_process_checks(report, asked, gguf, kvs, n_ctx=1536, max_tokens=16)
+    assert len(checks) == 8
+    assert all(c["same"] for c in checks), [c for c in checks if not c["same"]]
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_cli_starts_its_own_llamacpp_servers_and_writes_the_checks(tmp_path, capsys):
+    import json
+
+    from kvdemo.cli import main
+
+    out = tmp_path / "probe.json"
+    code = main(["probe", "--llamacpp", "f16,q4_0", "--lengths", "300", "--depths", "50", "--max-tokens", "16",
+                 "--out", str(out)])  # fmt: skip
+    assert code in (0, None)
+    saved = json.loads(out.read_text())
+    assert [e["name"] for e in saved["endpoints"]] == ["llama.cpp-f16", "llama.cpp-q4_0"]
+    assert len(saved["in_process_checks"]) == 2 and all(c["same"] for c in saved["in_process_checks"])
+    assert "--llamacpp f16,q4_0" in saved["provenance"]["command"]
+    assert "2 of 2 answers agree" in capsys.readouterr().out
