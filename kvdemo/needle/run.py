@@ -148,7 +148,7 @@ def run_cell(
     prefill_mode: str = "chunked",
     codebooks=None,
     seed: int = 0,
-    engines: Sequence[engines.KvTypes] = (),
+    others: Sequence[engines.KvTypes] = (),
 ) -> list[NeedleRow]:
     """Every precision on one prompt: one shared prefill, then per precision suffix + score + answer.
 
@@ -159,12 +159,12 @@ def run_cell(
     prefill_mode (runner.PREFILL_MODES): "exact" stores the shared full-precision prefill quantized per
     precision; "chunked" prefills the haystack into each quantized cache chunk by chunk instead.
     codebooks: a `codebooks.Codebooks` for the nuq precisions (default: the model's own). seed: the seed the
-    task and prompt were drawn with, recorded in each row. engines: llama.cpp contenders, each run after kvdemo's
+    task and prompt were drawn with, recorded in each row. others: llama.cpp contenders, each run after kvdemo's
     rows on the same token ids (kvdemo.llamacpp; its f16 row first, their baseline).
     """
     if prefill_mode not in runner.PREFILL_MODES:
         raise NeedleError(f"unknown prefill mode {prefill_mode!r}; allowed: {', '.join(runner.PREFILL_MODES)}")
-    track = track or Tracker((len(specs) + len(engines)) * prompt.target_length, "tokens")
+    track = track or Tracker((len(specs) + len(others)) * prompt.target_length, "tokens")
     ctx, suffix = prompt.ids[: prompt.context_len], prompt.ids[prompt.context_len :]
     where = f"{prompt.target_length:,} tokens, depth {prompt.depth:g}%"
     track.check(where)
@@ -215,7 +215,7 @@ def run_cell(
         rows[i] = row
         track.advance(_row_text(row), prompt.target_length, row)
     out = [rows[i] for i in sorted(rows)]
-    for kv in engines:
+    for kv in others:
         out.append(_llamacpp_row(lm, kv, task, prompt, track, prefill_s, seed))
     return out
 
@@ -375,8 +375,8 @@ def run_grid(
     `Progress.row`; when `should_stop()` says so the grid raises `Cancelled` carrying the rows finished.
     """
     try:  # llama.cpp contenders are refused before any work: a bad type, no binding, a model without GGUF
-        specs, engines = specs_with_full(precisions), _split(precisions)[1]
-        if engines:
+        specs, others = specs_with_full(precisions), _split(precisions)[1]
+        if others:
             llamacpp.gguf_path(lm)
             if llamacpp.available():
                 raise NeedleError(llamacpp.available())
@@ -399,7 +399,7 @@ def run_grid(
         if prompt.haystack_copies > 1 and name != "filler":
             note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
             notes += [note] if note not in notes else []
-        rows += run_cell(lm, task, prompt, specs, track, prefill_mode, codebooks, run_seed, engines)
+        rows += run_cell(lm, task, prompt, specs, track, prefill_mode, codebooks, run_seed, others)
     return NeedleGrid(
         model=lm.name,
         kind=kind,
@@ -407,7 +407,7 @@ def run_grid(
         seed=seed,
         lengths=lengths,
         depths=depths,
-        precisions=[s.label for s in specs] + [kv.label for kv in engines],
+        precisions=[s.label for s in specs] + [kv.label for kv in others],
         rows=rows,
         seconds=time.perf_counter() - t0,
         notes=notes,

@@ -272,8 +272,8 @@ class Client:
         while True:
             attempt += 1
             body = {"model": self.endpoint.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-            if self.logprobs:
-                body["logprobs"] = True
+            if self.logprobs:  # top_logprobs 0: the sampled tokens' log-probs only (llama.cpp's server needs it)
+                body |= {"logprobs": True, "top_logprobs": 0}
             t0 = time.perf_counter()
             headers: dict = {}
             retryable = True  # timeouts, dropped or refused connections, 429 and 5xx are tried again
