@@ -193,6 +193,7 @@ def test_measured_headroom_table_is_the_reports_table():
 def test_production_table_is_the_mapping():
     """docs/memory.md's production table is what `production_settings(spec, 64)` prints, cell by cell."""
     from kvdemo.production import production_settings
+    from kvdemo.results.ppl import measured_setting
 
     _, rows = _table(_page("memory.md"), ["precision", "vLLM `--kv-cache-dtype`", "SGLang `--kv-cache-dtype`",
                                           "TensorRT-LLM `KvCacheConfig(dtype=)`", "llama.cpp"])  # fmt: skip
@@ -205,6 +206,8 @@ def test_production_table_is_the_mapping():
         assert f'dtype="{trt.split()[0]}"' in p["tensorrt-llm"]["setting"], spec
         assert ("(exact)" in trt) == (p["tensorrt-llm"]["match"] == "exact"), spec
         assert llama.split("`")[1] in p["llama.cpp"]["setting"], spec
+        measured = measured_setting("llama.cpp", p["llama.cpp"]["setting"])  # a row of ppl_llamacpp.json
+        assert ("([measured](llamacpp.md))" in llama) == bool(measured), spec
 
 
 # --- drift (docs/drift.md) ------------------------------------------------------------------------------
@@ -576,3 +579,21 @@ def test_host_overhead_figures_are_the_report():
     for row in runs["after"]["rows"]:
         name = row["precision"]
         assert f"{name} {before[name]:.1f} -> {row['us_per_call']:.1f} us" in section, name
+
+
+# --- llama.cpp beside kvdemo (docs/llamacpp.md, README) ----------------------------------------------------
+
+
+def test_llamacpp_tables_are_their_report():
+    from kvdemo.results.ppl import side_by_side_markdown
+
+    report = _report("ppl_llamacpp.json")
+    ppl_report = PplReport.from_json(report)
+    page = _page("llamacpp.md")
+    _has_table(page, side_by_side_markdown(ppl_report), report["date"])
+    _has_table(page, markdown_table(ppl_report), report["date"])
+    assert report["command"] in page and report["engine"]["engine"].split()[-1] in page  # the version
+    rows = {r["precision"]: r for r in report["results"]}
+    assert rows["llama.cpp:f16"]["delta_vs_full"] == 0 and f"llama.cpp's f16: {rows['llama.cpp:f16']['ppl']:.3f}" in page
+    readme = _page("README.md")
+    _has_table(readme, side_by_side_markdown(ppl_report), report["date"])

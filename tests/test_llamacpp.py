@@ -85,6 +85,9 @@ def test_cache_size_matches_llamacpps_own_log(gguf, capfd):
         assert (m.group(1), m.group(3)) == (kv.key, kv.value)
         logged = (float(m.group(2)) + float(m.group(4))) * 2**20
         assert kv_bytes(30, 192, cells, kv) == pytest.approx(logged, abs=0.01 * 2**20)  # the log rounds to 0.01 MiB
+        # this llama.cpp Hadamard-rotates a quantized cache when the head size is a multiple of 64 (docs/llamacpp.md)
+        rotated = int(kv.is_quantized)
+        assert f"attn_rot_k = {rotated}" in log and f"attn_rot_v = {rotated}" in log, log[-2000:]
 
 
 @pytest.mark.model
