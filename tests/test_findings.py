@@ -533,7 +533,17 @@ def test_findings_page_renders_the_shipped_report():
     headers = [h.value for h in at.header]
     split = load_kv_split()
     methods = ["KVQuant's methods at 4, 3 and 2 bits"] + (["Keys or values: where the loss sits"] if split else [])
-    assert headers == [c.title for c in verdicts.CLAIMS] + methods + ["Glossary"]
+    engines = ["kvdemo's formats beside llama.cpp's cache types"]
+    assert headers == [c.title for c in verdicts.CLAIMS] + engines + methods + ["Glossary"]
+    from kvdemo.results.ppl import load_llamacpp_report, measured_setting, side_by_side
+
+    (beside,) = [d.value for d in at.dataframe if "delta vs own full" in d.value.columns]  # the shipped report's
+    assert beside.to_dict("records") == side_by_side(load_llamacpp_report())
+    (production,) = [d.value for d in at.dataframe if "measured here" in d.value.columns]
+    llama = production.set_index("engine").loc["llama.cpp"]
+    assert llama["measured here"] == measured_setting("llama.cpp", llama["setting"])
+    said = measured_setting("llama.cpp", "-ctk q4_0 -ctv q4_0 -fa on")  # a row of the shipped report
+    assert said.startswith("measured: -ctk q4_0 -ctv q4_0 -fa on with llama-cpp-python ")
     from kvdemo.findings import decision
 
     (box,) = [d.value for d in at.dataframe if {"format", "verdict", "evidence"} <= set(d.value.columns)]
