@@ -3,7 +3,9 @@ precision in two columns that stream together (one token per lane in turn), the 
 highlighted. The work is `kvdemo.chat.ChatSession` (kept in this session's state, so its caches are
 reused across turns)."""
 
+import contextlib
 import html
+from collections.abc import Iterator
 
 import streamlit as st
 
@@ -150,6 +152,20 @@ seen: list[Progress] = []
 on_progress = common.timed_bar(progress, expected_s, seen)  # tokens read so far, time left
 
 
+@contextlib.contextmanager
+def keeping_the_chat() -> Iterator[None]:
+    """What stopped a run, on one line in the status slot (the user's error, a wait cancelled, or a bug: never a
+    traceback); the chat and the document are kept either way."""
+    try:
+        yield
+    except ChatError as err:
+        status.error(f"{err}. Your chat and document are kept.")
+    except Cancelled:
+        status.info("Stopped while waiting for another user.")
+    except Exception as err:  # a bug, not the user's fault
+        status.error(f"Something went wrong: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+
+
 def on_wait(seconds: float) -> None:
     status.info(f"Waiting for another user's generation to finish... {seconds:.0f} s", icon=":material/hourglass:")
 
@@ -183,17 +199,10 @@ if doc_text and st.button(
     help="Hides a pass key (5 digits) in the middle of this document and asks for it at full precision and at "
     f"{spec.label}, in a chat of its own: your conversation and document are kept.",
 ):
-    with st.spinner("Planting a fact and asking for it at both precisions..."):
-        try:
-            st.session_state["chat_planted"] = plant_and_ask(
-                lm, spec, doc_text, doc["name"], prefill_mode=mode, on_progress=on_progress, on_wait=on_wait
-            )
-        except ChatError as err:
-            status.error(f"{err}. Your chat and document are kept.")
-        except Cancelled:
-            status.info("Stopped while waiting for another user.")
-        except Exception as err:  # a bug, not the user's fault: one line, never a traceback; the chat is kept
-            status.error(f"Something went wrong: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    with st.spinner("Planting a fact and asking for it at both precisions..."), keeping_the_chat():
+        st.session_state["chat_planted"] = plant_and_ask(
+            lm, spec, doc_text, doc["name"], prefill_mode=mode, on_progress=on_progress, on_wait=on_wait
+        )
     progress.empty()
 planted = st.session_state.get("chat_planted")
 if planted is not None and planted.document == (doc["name"] if doc else None):
@@ -224,20 +233,16 @@ if question:
         head = f"**{a.precision}** · {len(a.tokens)} tokens{speed}"
         slots[a.precision].markdown(f"{head}\n\n{html.escape(a.text)}{cursor}", unsafe_allow_html=True)
 
+    turn = None
     try:
-        turn = session.ask(question, max_new, on_token=on_token, on_progress=on_progress, on_wait=on_wait)
-        rates.record(lm, "chat-answer", *work_done(turn.answers)["chat-answer"])
-    except ChatError as err:
-        status.error(f"{err}. Your chat and document are kept.")
-    except Cancelled:
-        status.info("Stopped while waiting for another user.")
-    except Exception as err:  # a bug, not the user's fault: one line, never a traceback; the chat is kept
-        status.error(f"Something went wrong: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
-    else:
+        with keeping_the_chat():
+            turn = session.ask(question, max_new, on_token=on_token, on_progress=on_progress, on_wait=on_wait)
+            rates.record(lm, "chat-answer", *work_done(turn.answers)["chat-answer"])
+    finally:
+        common.record_speed(lm, "chat-read", seen)
+    if turn is not None:
         status.empty()
         progress.empty()
         show_turn(turn, boxes)
-    finally:
-        common.record_speed(lm, "chat-read", seen)
 elif not session.turns:
     st.info("Ask a question about the document below.")

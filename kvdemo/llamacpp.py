@@ -344,8 +344,9 @@ def server_sampling() -> dict:
 
 def chat_reply(engine: Engine, messages: list[dict], max_tokens: int) -> str:
     """The reply llama.cpp's server would send for `messages` at temperature 0, computed in-process on `engine`:
-    the same chat template and the same sampler settings (`server_sampling`)."""
-    engine.keep(0)
+    the same chat template and the same sampler settings (`server_sampling`). Like the server, the binding reuses
+    the cached tokens the new prompt starts with and reads only the rest, so a series of calls replays a series of
+    requests when it comes in the same order."""
     out = engine.llm.create_chat_completion(
         messages=messages, max_tokens=max_tokens, temperature=0.0, **server_sampling()
     )

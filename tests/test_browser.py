@@ -74,7 +74,7 @@ BOTH_COLUMNS_GROW = """() => {
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.model,
-    pytest.mark.timeout(1500),
+    pytest.mark.timeout(3000 if REFRESH else 1500),  # README's sizes take longer
     pytest.mark.skipif(
         not Path(CHROMIUM).exists(), reason=f"Debian Chromium not found at {CHROMIUM} (run `make browser`)"
     ),
@@ -317,14 +317,8 @@ def test_every_page_in_chromium(server, page, tmp_path):
     page.get_by_text("Where is the new office?").wait_for()
     idle(page)
     no_exception(page)
-    assert sorted(p.name for p in shots.glob("*.png")) == [
-        "chat.png",
-        "drift.png",
-        "home.png",
-        "memory.png",
-        "needle.png",
-        "perplexity.png",
-    ]
+    names = {"chat.png", "drift.png", "home.png", "memory.png", "needle.png", "perplexity.png"}
+    assert names <= {p.name for p in shots.glob("*.png")}  # the probe's shot is its own test's
 
 
 def test_findings_quick_rerun_and_cancel(server, page):

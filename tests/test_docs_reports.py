@@ -594,6 +594,19 @@ def test_llamacpp_tables_are_their_report():
     _has_table(page, markdown_table(ppl_report), report["date"])
     assert report["command"] in page and report["engine"]["engine"].split()[-1] in page  # the version
     rows = {r["precision"]: r for r in report["results"]}
-    assert rows["llama.cpp:f16"]["delta_vs_full"] == 0 and f"llama.cpp's f16: {rows['llama.cpp:f16']['ppl']:.3f}" in page
+    assert (
+        rows["llama.cpp:f16"]["delta_vs_full"] == 0 and f"llama.cpp's f16: {rows['llama.cpp:f16']['ppl']:.3f}" in page
+    )
     readme = _page("README.md")
     _has_table(readme, side_by_side_markdown(ppl_report), report["date"])
+
+
+def test_llamacpp_needle_table_is_its_grid():
+    from kvdemo.results.needle import summary_markdown
+
+    report = _report("needle_llamacpp/needle.json")
+    grid = NeedleGrid.from_json(report)
+    page = _page("llamacpp.md")
+    _has_table(page, summary_markdown(grid.rows), report["provenance"]["date"][:10])
+    assert report["provenance"]["command"] in page
+    assert {"llama.cpp:f16", "llama.cpp:q4_0", "int4"} <= set(grid.precisions)

@@ -185,7 +185,7 @@ def test_probe_two_llamacpp_servers_matches_llamacpp_in_process(servers, gguf):
     from kvdemo.results.probe import found_rates
 
     lengths, depths = [300, 700], [10, 90]
-    report = run_probe(servers, lengths, depths, max_tokens=16, timeout_s=120)
+    report = run_probe(servers, lengths, depths, max_tokens=16, timeout_s=120, concurrency=1)  # the server's order
     assert [e["name"] for e in report.endpoints] == ["llama.cpp-f16", "llama.cpp-q4_0"]
     assert len(report.cells) == 8 and all(c.found is not None for c in report.cells), [c.error for c in report.cells]
     assert all(c.prompt_tokens and c.prompt_tokens > c.length * 0.8 for c in report.cells)  # usage is real
@@ -209,11 +209,11 @@ def test_cli_starts_its_own_llamacpp_servers_and_writes_the_checks(tmp_path, cap
     from kvdemo.cli import main
 
     out = tmp_path / "probe.json"
-    code = main(["probe", "--llamacpp", "f16,q4_0", "--lengths", "300", "--depths", "50", "--max-tokens", "16",
-                 "--out", str(out)])  # fmt: skip
+    code = main(["probe", "--llamacpp", "f16,q4_0", "--lengths", "300", "--depths", "10,90", "--max-tokens", "16",
+                 "--concurrency", "1", "--out", str(out)])  # fmt: skip
     assert code in (0, None)
     saved = json.loads(out.read_text())
     assert [e["name"] for e in saved["endpoints"]] == ["llama.cpp-f16", "llama.cpp-q4_0"]
-    assert len(saved["in_process_checks"]) == 2 and all(c["same"] for c in saved["in_process_checks"])
+    assert len(saved["in_process_checks"]) == 4 and all(c["same"] for c in saved["in_process_checks"])
     assert "--llamacpp f16,q4_0" in saved["provenance"]["command"]
-    assert "2 of 2 answers agree" in capsys.readouterr().out
+    assert "4 of 4 answers agree" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..needle import MAX_REPEATS, NeedleError, cell_rng, make_task, parse_numbers, run_grid, specs_with_full
 from ..results.markdown import paired_markdown
+from .progress import printer
 from ..results.needle import NeedleGrid, NeedleRow, difference_line, differences_from_full, full_missed, save_grid
 
 
@@ -60,6 +61,7 @@ def run_cli(args) -> NeedleGrid:
         prefill_mode=getattr(args, "prefill_mode", "chunked"),
         codebooks=books,
         repeats=args.repeats,
+        on_progress=printer(),  # a line per finished row, on stderr
     )
     grid.provenance = {
         "command": _command(args),

@@ -46,7 +46,11 @@ def in_process_checks(
     max_tokens: int,
 ) -> list[dict]:
     """Per local endpoint and answered cell: its served answer beside the in-process reply to the same messages
-    (`kvdemo.llamacpp.chat_reply`), and whether they agree."""
+    (`kvdemo.llamacpp.chat_reply`), and whether they agree. The questions are replayed in the order the server
+    answered them on one context, as the server reuses the prompt prefix it has cached: llama.cpp's logits move
+    with where a batch starts, so a prompt read after a reused prefix can be answered differently from the same
+    prompt read whole. With more than one request in flight the server's order is not the report's, and an
+    answer may differ for that reason alone."""
     by_cell = {(q.length, q.depth, q.seed): q for q in asked}
     checks = []
     for kv in kvs:

@@ -341,3 +341,21 @@ def save_grid(grid: NeedleGrid, folder: str | Path) -> dict:
 def load_grid(path: str | Path) -> NeedleGrid:
     """A needle.json (a `save_grid` file or a shipped report in assets/reports/)."""
     return NeedleGrid.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def summary_markdown(rows: Sequence[NeedleRow]) -> str:
+    """`summarize` as docs/ prints one grid: per precision its found count, mean answer log-prob, and its change and
+    agreement against its own engine's full row (`engines.baseline_of`: llama.cpp's rows against llama.cpp:f16)."""
+    lines = ["| precision | read against | found | mean log p | change vs its full | agree with its full |"]
+    lines.append("|---|---|---|---|---|---|")
+    for s in summarize(rows):
+        base = baseline_of(s["precision"])
+        if s["precision"] == base:
+            change = agree = against = ""
+        else:
+            change, agree, against = f"{s['mean_logprob_change']:+.3f}", f"{s['agree_with_full']}/{s['cells']}", base
+        lines.append(
+            f"| {s['precision']} | {against} | {s['correct']}/{s['cells']} | {s['mean_answer_logprob']:.3f} | "
+            f"{change} | {agree} |"
+        )
+    return "\n".join(lines)

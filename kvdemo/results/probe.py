@@ -299,3 +299,23 @@ def save_report(report: ProbeReport, path: str | Path) -> dict:
 
 def load_report(path: str | Path) -> ProbeReport:
     return ProbeReport.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def rates_markdown(report: ProbeReport) -> str:
+    """Per endpoint: found over answered with its 95% interval, mean latency, prompt tokens by usage, and, where the
+    report checked a local llama.cpp server against llama.cpp in-process, how many answers agreed (docs/)."""
+    checks: dict[str, list[dict]] = {}
+    for c in report.checks:
+        checks.setdefault(c["endpoint"], []).append(c)
+    lines = ["| endpoint | found | 95% interval | mean latency | prompt tokens (usage) | in-process agrees |"]
+    lines.append("|---|---|---|---|---|---|")
+    for r in found_rates(report.cells):
+        mine = checks.get(r["endpoint"], [])
+        agree = f"{sum(c['same'] for c in mine)}/{len(mine)}" if mine else ""
+        interval = f"{r['low']:.0%}..{r['high']:.0%}" if r["answered"] else ""
+        latency = f"{r['mean_latency_s']:.2f} s" if r["mean_latency_s"] is not None else ""
+        lines.append(
+            f"| {r['endpoint']} | {r['found']}/{r['answered']} | {interval} | {latency} | {r['prompt_tokens']:,} | "
+            f"{agree} |"
+        )
+    return "\n".join(lines)
