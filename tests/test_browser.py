@@ -445,7 +445,7 @@ def test_api_probe_page_against_two_llamacpp_servers(server, page, tmp_path):
         page.goto(f"{server}/probe", wait_until="domcontentloaded")
         page.get_by_text("Add endpoints, set the grid").first.wait_for(timeout=MODEL_WORK_S * 1000)
         idle(page)
-        box = page.get_by_label("Endpoints, one per line: NAME=BASE_URL,MODEL[,KEY_ENV]")
+        box = page.get_by_label("Endpoints, one per line: NAME=BASE_URL,MODEL[,KEY_ENV]", exact=True)
         box.fill("\n".join(lines))
         box.press("Control+Enter")
         idle(page)
