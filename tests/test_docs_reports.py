@@ -610,3 +610,14 @@ def test_llamacpp_needle_table_is_its_grid():
     _has_table(page, summary_markdown(grid.rows), report["provenance"]["date"][:10])
     assert report["provenance"]["command"] in page
     assert {"llama.cpp:f16", "llama.cpp:q4_0", "int4"} <= set(grid.precisions)
+
+
+def test_llamacpp_probe_table_is_its_report():
+    from kvdemo.results.probe import ProbeReport, rates_markdown
+
+    report = _report("probe_llamacpp.json")
+    page = _page("llamacpp.md")
+    _has_table(page, rates_markdown(ProbeReport.from_json(report)), report["provenance"]["date"][:10])
+    assert report["provenance"]["command"] in page and "--llamacpp f16,q4_0" in report["provenance"]["command"]
+    checks = report["in_process_checks"]
+    assert len(checks) == sum(c["found"] is not None for c in report["cells"])  # every answered cell, checked

@@ -122,6 +122,7 @@ def _command(args) -> str:
         if value:
             parts.append(f"{flag} {shlex.quote(value)}")
     parts += [f"--seed {args.seed}", f"--repeats {args.repeats}", f"--concurrency {args.concurrency}"]
+    parts += [f"--max-tokens {args.max_tokens}", f"--timeout-s {args.timeout_s:g}", f"--retries {args.retries}"]
     return " ".join(parts)
 
 
