@@ -7,8 +7,8 @@ from pathlib import Path
 
 from ..needle import MAX_REPEATS, NeedleError, cell_rng, make_task, parse_numbers, run_grid, specs_with_full
 from ..results.markdown import paired_markdown
-from .progress import printer
 from ..results.needle import NeedleGrid, NeedleRow, difference_line, differences_from_full, full_missed, save_grid
+from .progress import printer
 
 
 def read_document(path: str) -> tuple[str, str]:
