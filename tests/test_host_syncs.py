@@ -45,13 +45,13 @@ def lm():
 def test_a_decode_step_reads_back_only_its_token(lm, monkeypatch, backend, precision):
     monkeypatch.setenv(BACKEND_ENV, backend)
     cache = runner.new_cache(lm, precision)
-    first = runner.prefill(lm, list(range(1, 301)), cache)
+    first = runner.prefill(lm, list(range(1, 101)), cache)
     steps = 40  # at a 32-token residual: a block is coded along the way
     with HostReads() as reads:
         tokens, _, reason, _ = runner.generate(lm, cache, first, steps)
     assert reason == "length" and len(tokens) == steps  # random weights never stop early (no eos)
     assert dict(reads.counts) == {"aten._local_scalar_dense": steps}, reads.counts  # int(argmax), once a token
-    assert cache.get_seq_length() == 300 + steps - 1
+    assert cache.get_seq_length() == 100 + steps - 1
 
 
 def test_the_counter_sees_a_read(lm):
