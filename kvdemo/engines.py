@@ -96,12 +96,15 @@ def parse_kv(text: str) -> KvTypes:
     return KvTypes(parts[0], parts[-1])
 
 
-def split_contenders(text: str | Sequence[str]) -> tuple[list[str], list[KvTypes]]:
-    """A precision list (``full,int4,llama.cpp:q4_0``) -> (kvdemo precisions, llama.cpp contenders); llama.cpp's
-    own f16 row comes first among its contenders whenever any is given (their reference)."""
-    items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if str(t).strip()]
-    ours = [t for t in items if not is_llamacpp(t)]
-    theirs = list(dict.fromkeys(parse_kv(t) for t in items if is_llamacpp(t)))
+def split_contenders(text: str | Sequence) -> tuple[list, list[KvTypes]]:
+    """A precision list (``full,int4,llama.cpp:q4_0``, or a sequence of strings and kvdemo precision objects) ->
+    (kvdemo precisions as given, llama.cpp contenders); llama.cpp's own f16 row comes first among its contenders
+    whenever any is given (their reference)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    items = [t.strip() if isinstance(t, str) else t for t in items if not isinstance(t, str) or t.strip()]
+    named = [t for t in items if isinstance(t, str) and is_llamacpp(t)]
+    ours = [t for t in items if not (isinstance(t, str) and is_llamacpp(t))]
+    theirs = list(dict.fromkeys(parse_kv(t) for t in named))
     if theirs:
         theirs = [KvTypes(FULL, FULL)] + [k for k in theirs if k.is_quantized]
     return ours, theirs

@@ -51,6 +51,13 @@ def available() -> str | None:
     return None
 
 
+def require() -> None:
+    """LlamaCppError saying how to install llama-cpp-python, unless it imports."""
+    reason = available()
+    if reason:
+        raise LlamaCppError(reason)
+
+
 def version() -> str:
     """llama-cpp-python's version (it vendors one llama.cpp commit per release)."""
     import llama_cpp
@@ -106,9 +113,7 @@ class Engine:
     def __init__(self, path: Path | str, kv: KvTypes, n_ctx: int, threads: int | None = None, batch: int = 512):
         import torch
 
-        reason = available()
-        if reason:
-            raise LlamaCppError(reason)
+        require()
         from llama_cpp import Llama
 
         threads = threads or torch.get_num_threads()
@@ -290,9 +295,7 @@ def server(
 
     import torch
 
-    reason = available()
-    if reason:
-        raise LlamaCppError(reason)
+    require()
     port = port or free_port()
     threads = threads or torch.get_num_threads()
     log = Path(log) if log else Path(tempfile.mkstemp(prefix="llamacpp-server-", suffix=".log")[1])

@@ -204,10 +204,10 @@ def run_ppl(
 
     if tokens > lm.max_context:
         raise ValueError(f"--tokens {tokens} exceeds the model's context ({lm.max_context})")
-    ours, theirs = split_engines(precisions)
+    ours, theirs = engines.split_contenders(precisions)
     engine_path = llamacpp.gguf_path(lm) if theirs else None  # refused before any work when there is none
-    if theirs and llamacpp.available():
-        raise engines.LlamaCppError(llamacpp.available())
+    if theirs:
+        llamacpp.require()
     text_name, ids = text if text is not None else (HELD_OUT_NAME, held_out_ids(lm, tokens))
     if len(ids) < tokens:
         raise ValueError(f"{text_name} has {len(ids):,} tokens; scoring {tokens:,} needs a longer text or fewer tokens")
@@ -280,13 +280,6 @@ def run_ppl(
         codebooks=books.used_by(lm, specs, codebooks),
         engine=llamacpp.engine_note(engine_path) if theirs else None,
     )
-
-
-def split_engines(precisions: Sequence[PrecisionSpec | str]) -> tuple[list, list[engines.KvTypes]]:
-    """(kvdemo precisions as given, llama.cpp contenders with its f16 row first when there are any)."""
-    named = [p for p in precisions if isinstance(p, str) and engines.is_llamacpp(p)]
-    _, theirs = engines.split_contenders(named)
-    return [p for p in precisions if not (isinstance(p, str) and engines.is_llamacpp(p))], theirs
 
 
 def _count(track: Tracker, what: str, n: int) -> None:

@@ -191,29 +191,7 @@ def run_cell(
         del cache
         if stop.cancelled:
             raise Cancelled(f"{where}, {spec.label} was stopped", track.rows)
-        text = lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-        row = NeedleRow(
-            length=prompt.target_length,
-            depth=prompt.depth,
-            precision=spec.label,
-            answer=text,
-            correct=answer_matches(task.answer, text),
-            answer_logprob=round(logprob, 4),
-            expected=task.answer,
-            kind=task.kind,
-            key=task.key,
-            prompt_tokens=prompt.length,
-            depth_actual=prompt.depth_actual,
-            needle_position=prompt.needle_position,
-            answer_tokens=len(prompt.answer_ids),
-            generated_tokens=len(tokens),
-            stopped="answer_end" if reason == "cancelled" else reason,
-            prefill_s=round(prefill_s, 3),
-            seconds=round(time.perf_counter() - t1, 3),
-            seed=seed,
-        )
-        rows[i] = row
-        track.advance(_row_text(row), prompt.target_length, row)
+        rows[i] = _finish_row(lm, task, prompt, spec.label, logprob, tokens, reason, prefill_s, t1, seed, track)
     out = [rows[i] for i in sorted(rows)]
     for kv in others:
         out.append(_llamacpp_row(lm, kv, task, prompt, track, prefill_s, seed))
@@ -247,11 +225,29 @@ def _llamacpp_row(
         engine.close()
     if stop.cancelled:
         raise Cancelled(f"{where} was stopped", track.rows)
+    return _finish_row(lm, task, prompt, kv.label, logprob, tokens, reason, prefill_s, t1, seed, track)
+
+
+def _finish_row(
+    lm: LoadedModel,
+    task: NeedleTask,
+    prompt: NeedlePrompt,
+    label: str,
+    logprob: float,
+    tokens: list[int],
+    reason: str,
+    prefill_s: float,
+    started: float,
+    seed: int,
+    track: Tracker,
+) -> NeedleRow:
+    """One contender's answer on the cell's prompt as a row (its reply decoded and scored, its seconds since
+    `started`), counted in `track` with the row in `Progress.row`."""
     text = lm.tokenizer.decode(tokens, skip_special_tokens=True).strip()
     row = NeedleRow(
         length=prompt.target_length,
         depth=prompt.depth,
-        precision=kv.label,
+        precision=label,
         answer=text,
         correct=answer_matches(task.answer, text),
         answer_logprob=round(logprob, 4),
@@ -265,7 +261,7 @@ def _llamacpp_row(
         generated_tokens=len(tokens),
         stopped="answer_end" if reason == "cancelled" else reason,
         prefill_s=round(prefill_s, 3),
-        seconds=round(time.perf_counter() - t1, 3),
+        seconds=round(time.perf_counter() - started, 3),
         seed=seed,
     )
     track.advance(_row_text(row), prompt.target_length, row)
@@ -276,13 +272,12 @@ def _llamacpp_row(
 
 
 def _split(precisions: Sequence[PrecisionSpec | str] | str) -> tuple[list, list[engines.KvTypes]]:
-    """(kvdemo precisions, llama.cpp contenders: its f16 row first when there are any)."""
-    items = [t for t in precisions.split(",") if t.strip()] if isinstance(precisions, str) else list(precisions)
-    named = [p for p in items if isinstance(p, str) and engines.is_llamacpp(p)]
-    ours = [p for p in items if not (isinstance(p, str) and engines.is_llamacpp(p))]
+    """(kvdemo precisions, llama.cpp contenders: its f16 row first when there are any); a string's kvdemo part
+    is parsed as a list (duplicates dropped)."""
+    ours, theirs = engines.split_contenders(precisions)
     if isinstance(precisions, str) and ours:
         ours = parse_precision_list(",".join(ours))
-    return ours, engines.split_contenders(named)[1]
+    return ours, theirs
 
 
 def specs_with_full(precisions: Sequence[PrecisionSpec | str] | str) -> list[PrecisionSpec]:
@@ -378,8 +373,7 @@ def run_grid(
         specs, others = specs_with_full(precisions), _split(precisions)[1]
         if others:
             llamacpp.gguf_path(lm)
-            if llamacpp.available():
-                raise NeedleError(llamacpp.available())
+            llamacpp.require()
     except engines.LlamaCppError as err:
         raise NeedleError(str(err)) from None
     lengths = [int(n) for n in lengths]

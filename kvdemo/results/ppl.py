@@ -284,7 +284,7 @@ def side_by_side(report: PplReport) -> list[dict]:
     """kvdemo's rows beside llama.cpp's, grouped by code width (K/V bits per code, widest first): each row's bits
     per element as stored, its perplexity delta with its 95% interval and its logit KL, each against its own
     engine's full row. Only widths both engines measured; empty when the report has no llama.cpp rows."""
-    from ..engines import PREFIX as ENGINE_PREFIX
+    from ..engines import is_llamacpp
 
     groups: dict[tuple[int, int], list[PplRow]] = {}
     for r in report.results:
@@ -292,14 +292,14 @@ def side_by_side(report: PplReport) -> list[dict]:
     out = []
     for widths in sorted(groups, key=lambda w: (-sum(w), -w[0])):
         rows = groups[widths]
-        engines = {r.precision.startswith(ENGINE_PREFIX) for r in rows}
+        engines = {is_llamacpp(r.precision) for r in rows}
         if len(engines) < 2 or widths == (16, 16):
             continue
-        for r in sorted(rows, key=lambda r: (r.precision.startswith(ENGINE_PREFIX), r.bits_per_element)):
+        for r in sorted(rows, key=lambda r: (is_llamacpp(r.precision), r.bits_per_element)):
             out.append(
                 {
                     "codes (K/V bits)": f"{widths[0]}/{widths[1]}" if widths[0] != widths[1] else f"{widths[0]}",
-                    "engine": "llama.cpp" if r.precision.startswith(ENGINE_PREFIX) else "kvdemo",
+                    "engine": "llama.cpp" if is_llamacpp(r.precision) else "kvdemo",
                     "precision": r.precision,
                     "bits/element": r.bits_per_element,
                     "delta vs own full": r.delta_vs_full,
