@@ -36,6 +36,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvdemo import formats  # noqa: E402
+from kvdemo.precision import PrecisionSpec  # noqa: E402
 from kvdemo.quant import launch, triton_decode, triton_quantize  # noqa: E402
 
 STRIDE = re.compile(r"^s[a-z]*_[bhtd]$")  # stride arguments: sx_t, skc_h, ...
@@ -312,6 +313,9 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                         "V_GROUP": group,
                         "PTX": True,  # the compiled path (the interpreter tests run the Triton-ops twin)
                         "FOLD_ONCE": launch.fold_once(head_dim, cc),
+                        "PLANE_SPLIT": launch.plane_split(
+                            PrecisionSpec(kf, vf, key_axis, 128 if key_axis == "channel" else group), head_dim
+                        ),
                     }
                     rows.append(
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
@@ -439,6 +443,18 @@ def goal_floors(row: dict, batch: int, context: int, gpu: dict = H200) -> dict:
     }
 
 
+def goal_budgets(row: dict) -> dict[str, bool]:
+    """What a memory-bound decode loop needs, for a goal-point row (its `loop_mix`, `warps_per_sm` and
+    `goal_floors`): each budget and whether the loop meets it."""
+    mix = row["loop_mix"]
+    return {
+        "no non-async global load in the loop": mix["global_loads"] == 0,
+        "at most 4 barriers per tile": mix["barriers"] <= 4,
+        "at least 12 warps per SM": row["warps_per_sm"] >= 12,
+        "issue floor at or below the memory floor": row["goal_floors"]["issue_ms"] <= row["goal_floors"]["memory_ms"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability as an integer (90: H100/H200)")
@@ -506,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{f['sdpa_memory_ms']:.3f} ms -> speedup at most {f['ceiling']:.2f}x"
             )
     print(f"  goals: int4 >= {GOALS['int4_speedup_64k_b8']}x, int8 >= {GOALS['int8_speedup_64k_b8']}x")
+    for row in rows:
+        if "goal_floors" in row:
+            row["goal_budgets"] = goal_budgets(row)
+            missed = [name for name, met in row["goal_budgets"].items() if not met]
+            print(f"  {row['format']:<22} budgets missed: {', '.join(missed) or 'none'}")
     print("\nDecode loop of the methods beyond uniform codes (decode rows):")
     for row in rows:
         if "method" in row and "error" not in row:

@@ -114,6 +114,16 @@ def test_integer_blocks_give_each_bit_field(bits):
     np.testing.assert_array_equal(got, want.astype(np.float64))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_biased_integer_blocks_give_1024_plus_the_field_at_its_bit_position(bits):
+    """The plane-split loop's blocks: field p of each byte as the fp16 1024 + c * 2^(p * bits), nothing taken off."""
+    asm = {8: ptx._PTX_INT8_BIASED, 4: ptx._PTX_INT4_BIASED}[bits].value
+    per_byte = 8 // bits
+    elems, got = unpack_bytes(asm, 2 * per_byte)
+    fields = [((elems >> (bits * p)) & ((1 << bits) - 1)) << (bits * p) for p in range(per_byte)]
+    np.testing.assert_array_equal(got, 1024.0 + np.stack(fields, axis=-1).astype(np.float64))
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_blocks_give_the_value_over_256(fmt):
     asm = {"fp8_e4m3": ptx._PTX_E4M3, "fp8_e5m2": ptx._PTX_E5M2}[fmt].value

@@ -9,6 +9,8 @@
 - launch settings, which change only speed: `launch_config` (tokens per tile and warps by head_dim, query
   rows, compute capability and `method_kind`), `fold_once`, the splits of the sequence (`splits_for`,
   PROGRAMS_PER_SM), NUM_STAGES; `ptx_unpacking` says whether the kernel unpacks codes with its PTX blocks.
+- `decode_constants(spec, ...)`: the kernel's format constexprs, among them `plane_split` (which decode loop the
+  spec's codes take: the plane-split loop of 8- and 4-bit integer codes, or the first loop).
 The limits sit where sm_90 code would spill registers: `bench/compile_sm90.py` compiles every variant on
 a CPU and shows them.
 """
@@ -117,6 +119,21 @@ def row_widths(spec, head_dim: int) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=256)
+def plane_split(spec, head_dim: int) -> bool:
+    """Whether the decode loop takes the plane-split path (`triton_decode._plane_split_tiles`): 8- and 4-bit
+    integer keys per channel and values per token in one group of head_dim channels (the default group
+    covers head_dim up to 128), no method beyond uniform codes, head_dim >= 32 (a 4-bit plane of 16
+    channels is a whole dot operand)."""
+    return (
+        spec.is_quantized
+        and spec.key_axis == "channel"
+        and not (spec.outliers or spec.pre_rope or spec.hadamard)
+        and all(f.planar and f.fp8_code == 0 and f.bits in (8, 4) for f in (spec.key, spec.value))
+        and spec.value_group(head_dim) == head_dim
+        and head_dim >= 32
+    )
+
+
 def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:
     """The decode kernel's format constexprs for a cache at `spec`, from the spec alone (full precision: the
     int8 defaults, never read), so every step of a cache launches the same variant, codes stored yet or not.
@@ -139,6 +156,7 @@ def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:
         V_OUTLIERS=cap,
         K_ROTATED=spec.hadamard,
         K_ROPE=rope_dim if spec.pre_rope else 0,
+        PLANE_SPLIT=plane_split(spec, head_dim),
     )
 
 

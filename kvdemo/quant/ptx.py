@@ -34,11 +34,12 @@ def _fp16x2(x: float) -> str:
     return f"0x{half:04X}{half:04X}"
 
 
-def _int_fields_ptx(bits: int) -> str:
+def _int_fields_ptx(bits: int, biased: bool = False) -> str:
     """The PTX block for an integer format: the 8 // bits bit fields of each of 4 bytes as fp16 codes, field p
     (bits [p * bits, (p + 1) * bits)) in outputs 2p, 2p + 1. The masked field c sits at c * 2^(p * bits), so
     prmt makes 1024 + c * 2^(p * bits), and an fma by 2^-(p * bits) minus 1024 * 2^-(p * bits) leaves c
-    (field 0: minus 1024)."""
+    (field 0: minus 1024). biased: the prmt's 1024 + c * 2^(p * bits) as it is (the caller folds the offset
+    and the field's scale into the other operand: 2 prmt per 4 codes and a mask per field, nothing more)."""
     fields = 8 // bits
     src = f"${2 * fields}"
     lines = ["{", ".reg .b32 a, b, t, s, z;"]
@@ -48,6 +49,10 @@ def _int_fields_ptx(bits: int) -> str:
         if bits < 8:
             lines.append(f"and.b32 t, {src}, 0x{(((1 << bits) - 1) << (p * bits)) * 0x01010101:08X};")
             field = "t"
+        if biased:
+            lines += [f"prmt.b32 ${2 * p}, {field}, 0x64646464, 0x5150;"]
+            lines += [f"prmt.b32 ${2 * p + 1}, {field}, 0x64646464, 0x5352;"]
+            continue
         lines += [f"prmt.b32 a, {field}, 0x64646464, 0x5150;", f"prmt.b32 b, {field}, 0x64646464, 0x5352;"]
         if p == 0:  # the field at bit 0: just take off 1024 (a subtract takes its constant as an immediate)
             lines += [f"mov.b32 z, {_fp16x2(1024.0)};", "sub.f16x2 $0, a, z;", "sub.f16x2 $1, b, z;"]
@@ -60,6 +65,8 @@ def _int_fields_ptx(bits: int) -> str:
 _PTX_INT8 = tl.constexpr(_int_fields_ptx(8))
 _PTX_INT4 = tl.constexpr(_int_fields_ptx(4))  # outputs: low nibbles ($0, $1), high nibbles ($2, $3)
 _PTX_INT2 = tl.constexpr(_int_fields_ptx(2))  # outputs: bits 0-1, 2-3, 4-5, 6-7 of each byte
+_PTX_INT8_BIASED = tl.constexpr(_int_fields_ptx(8, biased=True))  # 1024 + c
+_PTX_INT4_BIASED = tl.constexpr(_int_fields_ptx(4, biased=True))  # 1024 + c (low nibbles), 1024 + 16 c (high)
 _PTX_E5M2 = tl.constexpr("""{
 .reg .b32 a, b, u;
 mov.b32 u, 0x1C001C00;

@@ -30,7 +30,9 @@ from .ptx import (
     _PTX_E5M2,
     _PTX_INT2,
     _PTX_INT4,
+    _PTX_INT4_BIASED,
     _PTX_INT8,
+    _PTX_INT8_BIASED,
     _codebook_word,
     _ptx,
     _ptx_bit_sliced,
@@ -126,6 +128,29 @@ def _unpack(byte, BITS: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, 
         planes = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [BN, DP, 2 (p % 2), 2 (p // 2)]
         codes = tl.reshape(tl.permute(planes, (0, 3, 2, 1)), (BLOCK_N, D))
     return codes
+
+
+@triton.jit
+def _int_planes(byte, BITS: tl.constexpr, BIASED: tl.constexpr, PTX: tl.constexpr):
+    """Packed rows [BLOCK_N, DP] uint8 of an 8- or 4-bit integer format -> its code planes, fp16 [BLOCK_N, DP]
+    each, exactly: (channels [0, DP), channels [DP, 2 DP)); 8 bits have one plane (returned twice). The planes
+    are not interleaved into [BLOCK_N, D]: each feeds its own dot, so no register shuffles join them.
+    BIASED: the values the bytes' fields make with 0x64 high bytes, 1024 + c * 2^(p * BITS) for plane p (no
+    arithmetic at all; the caller folds the offset and the plane's scale into the other operand)."""
+    if BITS == 8:
+        if PTX:
+            c = _ptx(byte, _PTX_INT8_BIASED if BIASED else _PTX_INT8, 1)
+        else:
+            c = _int_code(byte.to(tl.int32), 0, 8) + (1024.0 if BIASED else 0.0)
+        return c, c
+    else:
+        if PTX:
+            lo, hi = _ptx(byte, _PTX_INT4_BIASED if BIASED else _PTX_INT4, 2)
+        else:
+            lo, hi = _int_code(byte.to(tl.int32), 0, 4), _int_code(byte.to(tl.int32), 4, 4)
+            if BIASED:
+                lo, hi = lo + 1024.0, hi * 16.0 + 1024.0
+        return lo, hi
 
 
 @triton.jit

@@ -11,10 +11,11 @@ K/V stay packed in memory: a tile of packed bytes is loaded as stored and unpack
 (exact: the fp16 with bits 0x6400 | c is 1024 + c), by inline PTX when compiled for NVIDIA (`kvdemo.quant.ptx`),
 by the same arithmetic in Triton ops in the interpreter (`kvdemo.quant.triton_codes`). Per-channel keys are never
 dequantized: ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block, with ``q_c s_c`` and
-``q . z`` computed once per block. Both dots run on fp16 tensor cores with fp32 accumulation. Scores are about
-fp32-accurate: fp32 operands are split into fp16 hi + lo halves (queries always; keys stored in fp32 or
-dequantized per token too); the weights and the dequantized values of the second dot are fp16, as in
-FlashAttention (2^-11 relative each).
+``q . z`` computed once per block. Both dots run on fp16 tensor cores with fp32 accumulation. 8- and 4-bit
+integer codes (`launch.plane_split`) take `_plane_split_tiles`: each nibble plane to its own dot, the query
+rounded to fp16 once (its docstring says the bound). Elsewhere scores are about fp32-accurate: fp32 operands are
+split into fp16 hi + lo halves (queries always; keys stored in fp32 or dequantized per token too). The weights
+and the dequantized values of the second dot are fp16, as in FlashAttention (2^-11 relative each).
 
 The methods beyond uniform codes (reference docstring) are read from their packed storage too, each behind a
 constexpr flag of the kernel (off: the plain variants compile to the code they had before): nuq codebooks (fp16
@@ -66,6 +67,7 @@ from .triton_codes import (
     _FP8_UNIT,
     _FP16_MAX,
     _dequantize_rows,
+    _int_planes,
     _nvfp4_scales,
     _outlier_tile,
     _pow2,
@@ -149,6 +151,109 @@ def _full_segment(
         s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(v_base + pos[:, None] * sv_t + offs_d[None, :], mask=valid[:, None], other=0.0)
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v.to(tl.float16))
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _plane_split_tiles(
+    q_rows,
+    row_ok,
+    qk_scale,
+    kc_base,
+    ks_base,
+    kz_base,
+    vc_base,
+    vs_base,
+    vz_base,
+    skc_t,
+    sks_t,
+    skz_t,
+    svc_t,
+    svs_t,
+    svz_t,
+    t_begin,
+    t_end,
+    S,
+    Q,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_BITS: tl.constexpr,
+    V_BITS: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """Quantized tiles [t_begin, t_end) of 8- or 4-bit integer keys per channel and values per token (one group
+    of D channels), plane by plane: byte j of a packed row holds channels j (low nibble) and KDP + j (high
+    nibble), so each nibble plane [BN, D / 2] goes to its own dot as it comes out of the bytes, never
+    interleaved back into rows [BN, D] (that took a quarter of the first loop in register shuffles).
+
+    Keys: q . k_t = sum_planes sum_c (q_c s_c) b_tc + (q . z - 1024 sum_c (q_c s_c)), with the codes b as the
+    PTX leaves them, 1024 + c (high nibbles 1024 + 16 c: their plane's query takes the 1/16), and the bracket
+    computed once per key block from the same fp16 (q_c s_c) the dot multiplies, so the offset cancels. q s is
+    rounded to fp16 once per tile, with no hi + lo split: |score error| <= 2^-11 sum_c |q_c s_c| (c_tc + 1), what
+    a 16-bit SDPA's own rounding of q and k gives (tests/test_triton.py states and checks the bound). Values are
+    dequantized per plane in fp16 (s_t c + z_t), as in the first loop. Returns (acc [BM, D] fp32, m_i, l_i),
+    log2 domain."""
+    K_PL: tl.constexpr = 8 // K_BITS  # planes of D / K_PL channels each (8 bits: 1, 4 bits: 2)
+    V_PL: tl.constexpr = 8 // V_BITS
+    KDP: tl.constexpr = D // K_PL
+    VDP: tl.constexpr = D // V_PL
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, KDP)
+    offs_v = tl.arange(0, VDP)
+    q0 = tl.load(q_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BM, KDP]
+    q1 = q0
+    if K_PL == 2:
+        q1 = tl.load(q_rows[:, None] + KDP + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
+    acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ks0 = tl.zeros([KDP], dtype=tl.float32)
+    ks1 = tl.zeros([KDP], dtype=tl.float32)
+    qz = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for tile in range(t_begin, t_end):
+        start = tile * BLOCK_N
+        pos = start + offs_n  # [BN] absolute positions; rows [0, S) are dummies
+        valid = (pos >= S) & (pos < Q)
+        if (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block: its scales and q . zero
+            blk = start // K_GROUP
+            ks0 = tl.load(ks_base + blk * sks_t + offs_k).to(tl.float32) * qk_scale  # [KDP], log2 domain
+            kz = tl.load(kz_base + blk * skz_t + offs_k).to(tl.float32) * qk_scale
+            # the codes come biased (1024 + c): q . z - 1024 sum_c qs_c, from the fp16 qs the dot multiplies
+            qz_c = q0 * kz[None, :] - 1024.0 * (q0 * ks0[None, :]).to(tl.float16).to(tl.float32)  # [BM, KDP]
+            if K_PL == 2:  # high nibbles come as 1024 + 16 c: their plane's query takes the 1/16
+                ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k).to(tl.float32) * (qk_scale * 0.0625)
+                kz = tl.load(kz_base + blk * skz_t + KDP + offs_k).to(tl.float32) * qk_scale
+                qz_c += q1 * kz[None, :] - 1024.0 * (q1 * ks1[None, :]).to(tl.float16).to(tl.float32)
+            qz = tl.sum(qz_c, 1)
+        qs0 = (q0 * ks0[None, :]).to(tl.float16)
+        qs1 = (q1 * ks1[None, :]).to(tl.float16)
+        kbyte = tl.load(kc_base + pos[:, None] * skc_t + offs_k[None, :], mask=valid[:, None], other=0)
+        k0, k1 = _int_planes(kbyte, K_BITS, True, PTX)  # [BN, KDP] fp16 each, 1024 + c (+ 16 c)
+        s = tl.dot(qs0, tl.trans(k0))  # [BM, BN]
+        if K_PL == 2:
+            s = tl.dot(qs1, tl.trans(k1), s)
+        s = tl.where(valid[None, :], s + qz[:, None], float("-inf"))
+        vbyte = tl.load(vc_base + pos[:, None] * svc_t + offs_v[None, :], mask=valid[:, None], other=0)
+        v0, v1 = _int_planes(vbyte, V_BITS, False, PTX)  # [BN, VDP] fp16 each
+        vs = tl.load(vs_base + pos * svs_t, mask=valid, other=0.0)  # [BN] fp16, one group per token
+        vz = tl.load(vz_base + pos * svz_t, mask=valid, other=0.0)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])  # [BM, BN]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p16 = p.to(tl.float16)
+        acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0 * alpha[:, None])  # values: fp16 s c + z
+        if V_PL == 2:
+            acc1 = tl.dot(p16, v1 * vs[:, None] + vz[:, None], acc1 * alpha[:, None])
+        m_i = m_new
+    if V_PL == 2:
+        acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_M, D))
+    else:
+        acc = tl.reshape(acc0, (BLOCK_M, D))
     return acc, m_i, l_i
 
 
@@ -257,6 +362,7 @@ def _decode_split_kernel(
     V_OUTLIERS: tl.constexpr = 0,
     K_ROTATED: tl.constexpr = False,
     K_ROPE: tl.constexpr = 0,
+    PLANE_SPLIT: tl.constexpr = False,
 ):
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
@@ -288,7 +394,8 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, D)
     row_ok = offs_m < M
     head = h * grp + offs_m // N_Q  # query head of row m (rows = head in group, query index)
-    q_offs = b * sq_b + head[:, None] * sq_h + (offs_m % N_Q)[:, None] * sq_t + offs_d[None, :]
+    q_row = b * sq_b + head * sq_h + (offs_m % N_Q) * sq_t  # [BM]
+    q_offs = q_row[:, None] + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale  # [BM, D], log2 domain
     q_hi, q_lo = _hi_lo(q)  # the dots' fp16 halves, for full-precision and per-token keys
 
@@ -335,6 +442,35 @@ def _decode_split_kernel(
             r_end,
             BLOCK_N,
             D,
+        )
+    elif PLANE_SPLIT and FOLD_ONCE:  # 8- and 4-bit integer codes (`launch.plane_split`)
+        acc, m_i, l_i = _plane_split_tiles(
+            q_ptr + q_row,
+            row_ok,
+            qk_scale,
+            kc_ptr + b * skc_b + h * skc_h,
+            ks_ptr + b * sks_b + h * sks_h,
+            kz_ptr + b * skz_b + h * skz_h,
+            vc_ptr + b * svc_b + h * svc_h,
+            vs_ptr + b * svs_b + h * svs_h,
+            vz_ptr + b * svz_b + h * svz_h,
+            skc_t,
+            sks_t,
+            skz_t,
+            svc_t,
+            svs_t,
+            svz_t,
+            pid_s * tiles_per_split,
+            tl.minimum(pid_s * tiles_per_split + tiles_per_split, n_tiles),
+            S,
+            Q,
+            D,
+            BLOCK_M,
+            BLOCK_N,
+            K_BITS,
+            V_BITS,
+            K_GROUP,
+            PTX,
         )
     else:
         KDP: tl.constexpr = D * K_BITS // 8
