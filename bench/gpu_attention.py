@@ -9,10 +9,12 @@ Measured in the same run, on one GPU:
    SDPA over a 16-bit cache of the same tokens, Llama-3.1-8B head shapes (32 query heads, 8 kv heads,
    head_dim 128), contexts 4k-128k, batch 1-16. SDPA runs twice, with `enable_gqa=True` and with
    the 4 query heads of a group folded into 4 query rows (the same math for decode, one K/V read),
-   and the faster counts. Also: the memory-bound limit (16-bit bytes / packed bytes read) and, at the
+   and the faster counts. Each is also timed as GRAPH_CALLS calls captured in one CUDA graph and replayed
+   (`*_graph_us`, `speedup_graph`: the host's launch gaps removed; the eager time, with the reason in
+   `*_graph_fallback`, where capture fails or there is no CUDA device). Also: the memory-bound limit (16-bit bytes / packed bytes read) and, at the
    shortest context, the kernel's max error against the PyTorch reference, in units of max(1, |out|);
 4. launch settings (tokens per tile, warps, pipeline stages, programs per SM) swept at the goal point (64k, batch 8),
-   int4 and int8: the defaults are judged, the best is reported beside them;
+   int4 and int8, eager and from CUDA graphs: the defaults are judged, the best is reported beside them;
 5. the decode loop's issue and memory floors at the goal point, from the machine code this machine's
    triton compiles (bench/compile_sm90.py), and the measured time over the issue floor;
 6. end-to-end decode tokens/s per model, precision and backend: the embedded model, and
@@ -62,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 LLAMA_8B = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
 SMOKE_SHAPE = {"q_heads": 8, "kv_heads": 2, "head_dim": 64}
 EMBEDDED_CONFIG = "smollm2-135m"  # assets/model_configs: the embedded model's shapes
-PRESET = {"int8": "int8", "int4": "int4", "int2": "int2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}
+PRESET = {"int8": "int8", "int4": "int4", "int2": "int2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2", "k8v4": "k8v4"}
 FULL_DEFAULTS = {
     "contexts": "4096,16384,32768,65536,131072",
     "batches": "1,4,8,16",
@@ -113,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU + TRITON_INTERPRET=1 when no GPU")
     p.add_argument("--contexts", default=None, help="default 4096,16384,32768,65536,131072 (smoke: 96,200)")
     p.add_argument("--batches", default=None, help="default 1,4,8,16 (smoke: 1,2)")
-    p.add_argument("--formats", default="int4,int8,fp8_e4m3", help="decode formats (keys and values alike)")
+    p.add_argument("--formats", default="int4,int8,k8v4,fp8_e4m3", help="decode formats (PRESET's names)")
     p.add_argument(
         "--method-formats",
         default=None,
@@ -177,6 +179,51 @@ def time_us(fn, device: torch.device, smoke: bool) -> float:
         fn()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs) * 1e6
+
+
+GRAPH_CALLS = 20  # calls of the op captured in one CUDA graph: one replay runs them back to back
+
+
+def graph_us(fn, device: torch.device, calls: int = GRAPH_CALLS, reps: int = 5) -> tuple[float | None, str | None]:
+    """(median microseconds per call, None) with `calls` calls of `fn` captured in one `torch.cuda.CUDAGraph` and
+    the replays timed with CUDA events: the GPU's time with the host's launch gaps removed (do_bench's eager
+    calls include them). (None, why) where capture is not possible (no CUDA device) or fails (a host sync or an
+    allocation the capture refuses): the caller keeps the eager time. `fn` has run eagerly before (compiled).
+    No L2 flush between the captured calls; the goal point's K/V (0.5-2 GB) is far over any L2."""
+    if device.type != "cuda":
+        return None, f"no CUDA device ({device.type}): eager timing only"
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        runs = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) * 1e3 / calls)
+        del graph
+        return statistics.median(runs), None
+    except Exception as err:  # noqa: BLE001 - a capture that fails is a result: the eager time stands
+        torch.cuda.synchronize(device)
+        return None, f"capture failed: {type(err).__name__}: {err}"[:500]
+
+
+def graph_fields(prefix: str, fn, eager_us: float, device: torch.device) -> dict:
+    """`<prefix>_graph_us` (the eager time where capture failed) and `<prefix>_graph_fallback` (None, or why)."""
+    us, why = graph_us(fn, device)
+    return {f"{prefix}_graph_us": eager_us if us is None else us, f"{prefix}_graph_fallback": why}
 
 
 def _sync(device: torch.device) -> None:
@@ -279,18 +326,29 @@ def decode_inputs(batch: int, ctx: int, shape: dict, device: torch.device):
     return keys, values, query
 
 
-def sdpa_us(keys, values, query, device: torch.device, smoke: bool) -> tuple[float, float]:
-    """Microseconds of SDPA over the 16-bit cache: (enable_gqa=True, the group's heads folded into rows)."""
+def sdpa_calls(keys, values, query) -> tuple:
+    """SDPA over the 16-bit cache as two calls: (enable_gqa=True, the group's heads folded into query rows)."""
     import torch.nn.functional as F
 
     b, hq, _, d = query.shape
     folded = query.view(b, keys.shape[1], hq // keys.shape[1], d)  # the same math for one decode query
     scale = d**-0.5
-    us_gqa = time_us(
-        lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True), device, smoke
+    return (
+        lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True),
+        lambda: F.scaled_dot_product_attention(folded, keys, values, scale=scale),
     )
-    us_fold = time_us(lambda: F.scaled_dot_product_attention(folded, keys, values, scale=scale), device, smoke)
-    return us_gqa, us_fold
+
+
+def sdpa_us(keys, values, query, device: torch.device, smoke: bool) -> tuple[float, float]:
+    """Microseconds of SDPA over the 16-bit cache: (enable_gqa=True, the group's heads folded into rows)."""
+    gqa, fold = sdpa_calls(keys, values, query)
+    return time_us(gqa, device, smoke), time_us(fold, device, smoke)
+
+
+def sdpa_graph_fields(keys, values, query, us_gqa: float, us_fold: float, device: torch.device) -> dict:
+    """`graph_fields` of the faster SDPA call (by the eager times): `sdpa_graph_us`, `sdpa_graph_fallback`."""
+    gqa, fold = sdpa_calls(keys, values, query)
+    return graph_fields("sdpa", gqa if us_gqa <= us_fold else fold, min(us_gqa, us_fold), device)
 
 
 def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
@@ -316,6 +374,7 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
         keys, values, query = decode_inputs(batch, ctx, shape, device)
         us_gqa, us_fold = sdpa_us(keys, values, query, device, args.smoke)
         sdpa = min(us_gqa, us_fold)
+        sdpa_graph = sdpa_graph_fields(keys, values, query, us_gqa, us_fold, device)
         bytes16 = 2 * keys.numel() * keys.element_size()
         methods = _names(args.method_formats) if (batch, ctx) == (points[0] if args.smoke else GOAL_POINT) else []
         for fmt in _names(args.formats) + methods:
@@ -325,7 +384,9 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
             else:
                 spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
                 kv = make_packed(keys, values, spec)
-            tri_us = time_us(lambda q=query, kv=kv: triton_decode.past_attention(q, kv, scale), device, args.smoke)
+            call = lambda q=query, kv=kv: triton_decode.past_attention(q, kv, scale)  # noqa: E731
+            tri_us = time_us(call, device, args.smoke)
+            graphed = graph_fields("triton", call, tri_us, device) | sdpa_graph
             err = None
             if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
                 got = triton_decode.past_attention(query, kv, scale)[0]
@@ -348,6 +409,8 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
                     "sdpa_gb_s": bytes16 / sdpa / 1e3,
                     "max_err_vs_reference": err,
                 }
+                | graphed
+                | {"speedup_graph": graphed["sdpa_graph_us"] / graphed["triton_graph_us"]}
             )
         keys = values = query = kv = None  # free this size before the next
         gc.collect()
@@ -368,7 +431,9 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
     batch, ctx = (_ints(args.batches)[-1], _ints(args.contexts)[-1]) if args.smoke else GOAL_POINT
     keys, values, query = decode_inputs(batch, ctx, shape, device)
-    sdpa = min(sdpa_us(keys, values, query, device, args.smoke))
+    us_gqa, us_fold = sdpa_us(keys, values, query, device, args.smoke)
+    sdpa = min(us_gqa, us_fold)
+    sdpa_graph = sdpa_graph_fields(keys, values, query, us_gqa, us_fold, device)
     block_n, warps = launch.launch_config(shape["head_dim"], 16, launch.capability(device))
     heads = batch * shape["kv_heads"]
     # tile x warps x stages at the default split, then programs per SM at the default tile
@@ -387,10 +452,13 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
                 )
 
             us = time_us(run, device, args.smoke)
+            graphed = graph_fields("triton", run, us, device) | sdpa_graph
             rows.append(
                 {"format": fmt, "context": ctx, "batch": batch, "block_n": n, "num_warps": w, "num_stages": st}
                 | {"programs_per_sm": per_sm or launch.PROGRAMS_PER_SM, "us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
                 | {"default": (n, w, st, per_sm) == (block_n, warps, launch.NUM_STAGES, None)}
+                | graphed
+                | {"speedup_graph": graphed["sdpa_graph_us"] / graphed["triton_graph_us"]}
             )
     return rows
 
@@ -577,6 +645,10 @@ def goals(report: dict) -> dict:
     }
     for fmt in ("int4", "int8"):  # judged at the default launch setting; the sweep's best beside it
         out[f"{fmt}_speedup_64k_b8"]["best_launch_setting"] = best_swept(fmt)
+        graphed = next((r for r in report.get("decode", []) if at_goal(r, fmt) and "speedup_graph" in r), None)
+        if graphed:  # both timed from CUDA graphs (no host gaps), or the eager times where capture failed
+            out[f"{fmt}_speedup_64k_b8"]["speedup_graph"] = graphed["speedup_graph"]
+            out[f"{fmt}_speedup_64k_b8"]["graph_fallback"] = graphed["triton_graph_fallback"]
         floors = next((f for f in report.get("floors", []) if f["format"] == f"k:{fmt} v:{fmt}"), None)
         measured_us = next(
             (r["triton_us"] for r in report.get("decode", []) if at_goal(r, fmt) and "triton_us" in r), None
@@ -673,7 +745,8 @@ def main(argv: list[str] | None = None) -> int:
         if "speedup" in r:
             print(
                 f"{r['format']:>8} ctx {r['context']:>6} batch {r['batch']:>2}: {r['triton_us']:9.1f} us "
-                f"vs SDPA {r['sdpa_us']:9.1f} us = {r['speedup']:.2f}x (memory-bound limit {r['memory_bound_limit']:.2f}x)"
+                f"vs SDPA {r['sdpa_us']:9.1f} us = {r['speedup']:.2f}x (memory-bound limit {r['memory_bound_limit']:.2f}x); "
+                f"graphs {r['triton_graph_us']:9.1f} vs {r['sdpa_graph_us']:9.1f} us = {r['speedup_graph']:.2f}x"
             )
     for r in report.get("e2e", []):
         if "decode_tok_s" in r:
