@@ -83,3 +83,58 @@ def test_ncu_stalls_smoke_without_ncu(tmp_path):
         pytest.skip(f"ncu is installed here ({report['ncu']})")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["absent"].startswith("ncu is not on PATH") and report["target_exit_status"] == 0
+
+
+def test_each_layers_cache_is_made_on_the_device_of_its_keys():
+    """A model split across devices hands each layer's keys on that layer's device: the layer's buffers (and the
+    lengths a kernel reads) are made there ('meta' stands in for a second device)."""
+    import torch
+
+    from kvdemo.cache import QuantizedKVCache
+
+    cache = QuantizedKVCache("int4:g32:r32", num_layers=2)
+    for i, device in enumerate(("cpu", "meta")):
+        keys = torch.randn(1, 2, 8, 64, device=device)
+        cache.update(keys, keys.clone(), i)
+    devices = [
+        (layer.device.type, layer.keys.sinks.device.type, layer.values.residual.data.device.type)
+        for layer in cache.layers
+    ]
+    assert devices == [("cpu", "cpu", "cpu"), ("meta", "meta", "meta")]
+
+
+@pytest.mark.triton
+def test_e2e_and_split_sections_smoke(tmp_path):
+    """--smoke: the end-to-end rows at batch 2 (one cache for both sequences) with the headroom formula's bytes and
+    the memory floor beside tokens/s, and the split rows (2 layers, cpu/cpu: the split's code path) with the same
+    tokens as on one device and each layer's cache on its layer's device. Graph steps fall back to eager here."""
+    out = tmp_path / "e2e.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env.pop("KVDEMO_BACKEND", None)
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--smoke", "--sections", "e2e,split"]
+    cmd += ["--models", "random:smollm2-135m", "--e2e-batches", "2", "--e2e-precisions", "full,int4"]
+    cmd += ["--e2e-backends", "torch,hf-static", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "errors" not in report and list(report["section_s"]) == ["e2e", "split"]
+    rows = report["e2e"]
+    assert [(r["precision"], r["backend"]) for r in rows] == [
+        ("full", "torch"),
+        ("int4:g32:r32", "torch"),
+        ("full", "hf-static"),
+    ]
+    for r in rows:
+        assert r["batch"] == 2 and r["prompt_tokens"] == 48 and r["new_tokens"] == 2 and r["decode_tok_s"] > 0
+        assert r["predicted_bytes"] > 0 and r["floor_tok_s"] > 0 and r["fraction_of_floor"] > 0
+        assert r["same_tokens_across_backends"] is True
+    full, int4, _ = rows
+    assert int4["predicted_bytes"] < full["predicted_bytes"] and int4["cache_bytes"] < full["cache_bytes"]
+    assert full["graph_steps"]["replayed"] == 0 and full["graph_blocker"]  # no CUDA: eager steps, and why
+    assert set(report["goals"]) >= {"int4_over_full_8b_32k_b8", "tok_s_135m_best"}
+    assert all(g["met"] is None for g in report["goals"].values())  # never judged from a smoke run
+    split = report["split"]
+    assert [r["precision"] for r in split] == ["full", "int4:g32:r32"]
+    for r in split:
+        assert r["layer_devices"] == r["cache_devices"] == ["cpu", "cpu"]
+        assert r["same_tokens"] is True and len(r["tokens_split"]) == 16
