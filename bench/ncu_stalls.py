@@ -198,12 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cmd = ncu_command(ncu, target)
         report["command"] = " ".join(cmd)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-        report["ncu_exit_status"] = proc.returncode
         try:
-            report |= report_from_csv(proc.stdout)
-        except ValueError as err:
-            report["error"] = f"{err}; ncu said: {(proc.stdout + proc.stderr)[-3000:]}"
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+        except subprocess.TimeoutExpired as err:
+            proc = None
+            report["error"] = f"ncu ran past {args.timeout_s:.0f} s; it said: {str(err.stdout or '')[-2000:]}"
+        if proc is not None:
+            report["ncu_exit_status"] = proc.returncode
+            try:
+                report |= report_from_csv(proc.stdout)
+            except ValueError as err:
+                report["error"] = f"{err}; ncu said: {(proc.stdout + proc.stderr)[-3000:]}"
     report["wall_s"] = round(time.perf_counter() - started, 1)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
