@@ -9,17 +9,23 @@ Measured in the same run, on one GPU:
    SDPA over a 16-bit cache of the same tokens, Llama-3.1-8B head shapes (32 query heads, 8 kv heads,
    head_dim 128), contexts 4k-128k, batch 1-16. SDPA runs twice, with `enable_gqa=True` and with
    the 4 query heads of a group folded into 4 query rows (the same math for decode, one K/V read),
-   and the faster counts. Also: the memory-bound limit (16-bit bytes / packed bytes read) and, at the
+   and the faster counts. Each is also timed as GRAPH_CALLS calls captured in one CUDA graph and replayed
+   (`*_graph_us`, `speedup_graph`: the host's launch gaps removed; the eager time, with the reason in
+   `*_graph_fallback`, where capture fails or there is no CUDA device). Also: the memory-bound limit (16-bit bytes / packed bytes read) and, at the
    shortest context, the kernel's max error against the PyTorch reference, in units of max(1, |out|);
 4. launch settings (tokens per tile, warps, pipeline stages, programs per SM) swept at the goal point (64k, batch 8),
-   int4 and int8: the defaults are judged, the best is reported beside them;
+   int4 and int8, eager and from CUDA graphs: the defaults are judged, the best is reported beside them;
 5. the decode loop's issue and memory floors at the goal point, from the machine code this machine's
    triton compiles (bench/compile_sm90.py), and the measured time over the issue floor;
-6. end-to-end decode tokens/s per model, precision and backend: the embedded model, and
+6. end-to-end decode tokens/s per model, prompt length, batch, precision and backend (bench/gpu_e2e.py): the
+   embedded model, and
    `random:<config>` models (assets/model_configs, random weights: tokens/s does not depend on weight
    values). Where the embedded model is not installed (the device machine cannot take its 94 MB
-   along) its shapes run with random weights, `random:smollm2-135m`, and the row says so;
-7. long-context prefill (bench/gpu_long_context.py; last: it has whatever time the sections above leave, at most
+   along) its shapes run with random weights, `random:smollm2-135m`, and the row says so. Per row also the
+   decode's peak memory beside the headroom formula's, and the memory floor's tokens/s;
+7. a model split across devices (bench/gpu_e2e.py, `split`): the embedded model's shapes with half its layers
+   on the GPU and half on the CPU, greedy tokens against one device, each layer's cache on its layer's device;
+8. long-context prefill (bench/gpu_long_context.py; last: it has whatever time the sections above leave, at most
    `--long-budget-s`): a Llama-3.1-8B-shaped random model prefilled in chunks to 128k tokens, int4 and
    full, then its first 2 layers (1 when time is short) to 1M tokens, int4. Per row: peak memory
    (torch.cuda.max_memory_allocated) split into weights, cache and workspace, the cache's bytes by the
@@ -30,7 +36,9 @@ Measured in the same run, on one GPU:
 Quantize also checks that the kernel's bytes equal the PyTorch reference's on the GPU. Each section
 that fails is recorded with its error and the rest still run; the JSON is rewritten after each.
 
-Goals (H200): int4 >= 2.5x SDPA at 64k context, batch 8; int8 >= 1.7x; quantize >= 60% of copy.
+Goals (H200): int4 >= 2.5x SDPA at 64k context, batch 8; int8 >= 1.7x; quantize >= 60% of copy. End to end
+(reported side by side, gpu_e2e.e2e_goals): Llama-3.1-8B shapes at 32k, batch 8, int4 >= 1.3x full and >= 50% of
+the memory floor (triton+graphs); the 135M shapes >= 150 tok/s.
 
 `--smoke` runs every code path at tiny sizes on CPU under TRITON_INTERPRET=1 (set here when no GPU):
 its numbers say nothing about speed. Usage:
@@ -62,14 +70,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 LLAMA_8B = {"q_heads": 32, "kv_heads": 8, "head_dim": 128}
 SMOKE_SHAPE = {"q_heads": 8, "kv_heads": 2, "head_dim": 64}
 EMBEDDED_CONFIG = "smollm2-135m"  # assets/model_configs: the embedded model's shapes
-PRESET = {"int8": "int8", "int4": "int4", "int2": "int2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2"}
+PRESET = {"int8": "int8", "int4": "int4", "int2": "int2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8-e5m2", "k8v4": "k8v4"}
 FULL_DEFAULTS = {
     "contexts": "4096,16384,32768,65536,131072",
     "batches": "1,4,8,16",
     "group": 128,
     "residual": 128,
-    "e2e_prompt": 4096,
+    "e2e_prompt": "4096,32768",
+    "e2e_batches": "1,8",
     "e2e_tokens": 64,
+    "e2e_split_prompt": 512,
     "e2e_precisions": "full,int8,int4",
     "models": "embedded,random:llama-3.1-8b",
     "long_model": "llama-3.1-8b",
@@ -84,7 +94,9 @@ SMOKE_DEFAULTS = {
     "group": 32,
     "residual": 32,
     "e2e_prompt": 48,
+    "e2e_batches": "1,2",
     "e2e_tokens": 2,
+    "e2e_split_prompt": 40,
     "e2e_precisions": "full,int4",
     "models": "embedded",
     "long_model": "scale",
@@ -95,7 +107,7 @@ SMOKE_DEFAULTS = {
 }
 GOAL_POINT = (8, 65536)  # (batch, context) of the decode goals
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "programs_per_sm": (2, 8, 16)}
-SECTIONS = ("copy", "quantize", "decode", "sweep", "floors", "e2e", "long")  # in this order
+SECTIONS = ("copy", "quantize", "decode", "sweep", "floors", "e2e", "split", "long")  # in this order
 GOALS = {"int4_speedup_64k_b8": 2.5, "int8_speedup_64k_b8": 1.7, "quantize_fraction_of_copy": 0.6}
 
 
@@ -113,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU + TRITON_INTERPRET=1 when no GPU")
     p.add_argument("--contexts", default=None, help="default 4096,16384,32768,65536,131072 (smoke: 96,200)")
     p.add_argument("--batches", default=None, help="default 1,4,8,16 (smoke: 1,2)")
-    p.add_argument("--formats", default="int4,int8,fp8_e4m3", help="decode formats (keys and values alike)")
+    p.add_argument("--formats", default="int4,int8,k8v4,fp8_e4m3", help="decode formats (PRESET's names)")
     p.add_argument(
         "--method-formats",
         default=None,
@@ -129,9 +141,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="end-to-end models: embedded, a hub id or folder, random:<assets/model_configs name> ('' to skip); "
         "default embedded,random:llama-3.1-8b (smoke: embedded)",
     )
-    p.add_argument(
-        "--e2e-prompt", default=None, help="prompt tokens, a list (e.g. 4096,32768); default 4096 (smoke: 48)"
-    )
+    p.add_argument("--e2e-prompt", default=None, help="prompt tokens, a list; default 4096,32768 (smoke: 48)")
+    p.add_argument("--e2e-batches", default=None, help="sequences decoded together, a list; default 1,8 (smoke: 1,2)")
+    p.add_argument("--e2e-budget-s", type=float, default=None, help="seconds the e2e rows may take; later ones skipped")
+    p.add_argument("--e2e-split-prompt", type=int, default=None, help="prompt tokens of the split rows, default 512")
+    p.add_argument("--split-precisions", default="full,int4", help="precisions of the split rows")
     p.add_argument("--e2e-tokens", type=int, default=None, help="new tokens per run, default 64 (smoke: 2)")
     p.add_argument("--e2e-precisions", default=None, help="default full,int8,int4 (smoke: full,int4)")
     p.add_argument(
@@ -177,6 +191,51 @@ def time_us(fn, device: torch.device, smoke: bool) -> float:
         fn()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs) * 1e6
+
+
+GRAPH_CALLS = 20  # calls of the op captured in one CUDA graph: one replay runs them back to back
+
+
+def graph_us(fn, device: torch.device, calls: int = GRAPH_CALLS, reps: int = 5) -> tuple[float | None, str | None]:
+    """(median microseconds per call, None) with `calls` calls of `fn` captured in one `torch.cuda.CUDAGraph` and
+    the replays timed with CUDA events: the GPU's time with the host's launch gaps removed (do_bench's eager
+    calls include them). (None, why) where capture is not possible (no CUDA device) or fails (a host sync or an
+    allocation the capture refuses): the caller keeps the eager time. `fn` has run eagerly before (compiled).
+    No L2 flush between the captured calls; the goal point's K/V (0.5-2 GB) is far over any L2."""
+    if device.type != "cuda":
+        return None, f"no CUDA device ({device.type}): eager timing only"
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        runs = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) * 1e3 / calls)
+        del graph
+        return statistics.median(runs), None
+    except Exception as err:  # noqa: BLE001 - a capture that fails is a result: the eager time stands
+        torch.cuda.synchronize(device)
+        return None, f"capture failed: {type(err).__name__}: {err}"[:500]
+
+
+def graph_fields(prefix: str, fn, eager_us: float, device: torch.device) -> dict:
+    """`<prefix>_graph_us` (the eager time where capture failed) and `<prefix>_graph_fallback` (None, or why)."""
+    us, why = graph_us(fn, device)
+    return {f"{prefix}_graph_us": eager_us if us is None else us, f"{prefix}_graph_fallback": why}
 
 
 def _sync(device: torch.device) -> None:
@@ -279,18 +338,29 @@ def decode_inputs(batch: int, ctx: int, shape: dict, device: torch.device):
     return keys, values, query
 
 
-def sdpa_us(keys, values, query, device: torch.device, smoke: bool) -> tuple[float, float]:
-    """Microseconds of SDPA over the 16-bit cache: (enable_gqa=True, the group's heads folded into rows)."""
+def sdpa_calls(keys, values, query) -> tuple:
+    """SDPA over the 16-bit cache as two calls: (enable_gqa=True, the group's heads folded into query rows)."""
     import torch.nn.functional as F
 
     b, hq, _, d = query.shape
     folded = query.view(b, keys.shape[1], hq // keys.shape[1], d)  # the same math for one decode query
     scale = d**-0.5
-    us_gqa = time_us(
-        lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True), device, smoke
+    return (
+        lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True),
+        lambda: F.scaled_dot_product_attention(folded, keys, values, scale=scale),
     )
-    us_fold = time_us(lambda: F.scaled_dot_product_attention(folded, keys, values, scale=scale), device, smoke)
-    return us_gqa, us_fold
+
+
+def sdpa_us(keys, values, query, device: torch.device, smoke: bool) -> tuple[float, float]:
+    """Microseconds of SDPA over the 16-bit cache: (enable_gqa=True, the group's heads folded into rows)."""
+    gqa, fold = sdpa_calls(keys, values, query)
+    return time_us(gqa, device, smoke), time_us(fold, device, smoke)
+
+
+def sdpa_graph_fields(keys, values, query, us_gqa: float, us_fold: float, device: torch.device) -> dict:
+    """`graph_fields` of the faster SDPA call (by the eager times): `sdpa_graph_us`, `sdpa_graph_fallback`."""
+    gqa, fold = sdpa_calls(keys, values, query)
+    return graph_fields("sdpa", gqa if us_gqa <= us_fold else fold, min(us_gqa, us_fold), device)
 
 
 def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
@@ -316,6 +386,7 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
         keys, values, query = decode_inputs(batch, ctx, shape, device)
         us_gqa, us_fold = sdpa_us(keys, values, query, device, args.smoke)
         sdpa = min(us_gqa, us_fold)
+        sdpa_graph = sdpa_graph_fields(keys, values, query, us_gqa, us_fold, device)
         bytes16 = 2 * keys.numel() * keys.element_size()
         methods = _names(args.method_formats) if (batch, ctx) == (points[0] if args.smoke else GOAL_POINT) else []
         for fmt in _names(args.formats) + methods:
@@ -325,7 +396,9 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
             else:
                 spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
                 kv = make_packed(keys, values, spec)
-            tri_us = time_us(lambda q=query, kv=kv: triton_decode.past_attention(q, kv, scale), device, args.smoke)
+            call = lambda q=query, kv=kv: triton_decode.past_attention(q, kv, scale)  # noqa: E731
+            tri_us = time_us(call, device, args.smoke)
+            graphed = graph_fields("triton", call, tri_us, device) | sdpa_graph
             err = None
             if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
                 got = triton_decode.past_attention(query, kv, scale)[0]
@@ -348,6 +421,8 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
                     "sdpa_gb_s": bytes16 / sdpa / 1e3,
                     "max_err_vs_reference": err,
                 }
+                | graphed
+                | {"speedup_graph": graphed["sdpa_graph_us"] / graphed["triton_graph_us"]}
             )
         keys = values = query = kv = None  # free this size before the next
         gc.collect()
@@ -368,7 +443,9 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     shape = SMOKE_SHAPE if args.smoke else LLAMA_8B
     batch, ctx = (_ints(args.batches)[-1], _ints(args.contexts)[-1]) if args.smoke else GOAL_POINT
     keys, values, query = decode_inputs(batch, ctx, shape, device)
-    sdpa = min(sdpa_us(keys, values, query, device, args.smoke))
+    us_gqa, us_fold = sdpa_us(keys, values, query, device, args.smoke)
+    sdpa = min(us_gqa, us_fold)
+    sdpa_graph = sdpa_graph_fields(keys, values, query, us_gqa, us_fold, device)
     block_n, warps = launch.launch_config(shape["head_dim"], 16, launch.capability(device))
     heads = batch * shape["kv_heads"]
     # tile x warps x stages at the default split, then programs per SM at the default tile
@@ -387,10 +464,13 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
                 )
 
             us = time_us(run, device, args.smoke)
+            graphed = graph_fields("triton", run, us, device) | sdpa_graph
             rows.append(
                 {"format": fmt, "context": ctx, "batch": batch, "block_n": n, "num_warps": w, "num_stages": st}
                 | {"programs_per_sm": per_sm or launch.PROGRAMS_PER_SM, "us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
                 | {"default": (n, w, st, per_sm) == (block_n, warps, launch.NUM_STAGES, None)}
+                | graphed
+                | {"speedup_graph": graphed["sdpa_graph_us"] / graphed["triton_graph_us"]}
             )
     return rows
 
@@ -411,138 +491,6 @@ def bench_floors() -> list[dict]:
             raise RuntimeError(f"compile_sm90.py failed: {(proc.stdout + proc.stderr)[-2000:]}")
         rows = json.loads(out.read_text())["rows"]
     return [{"format": r["format"], "issue_per_token": r["issue_per_token"]} | r["goal_floors"] for r in rows]
-
-
-# --- 6. end-to-end tokens/s -----------------------------------------------------------------------
-
-
-def e2e_model_and_prompt(source: str, device: torch.device, n_tokens: int, new_tokens: int):
-    """(LoadedModel, prompt ids): prose for a real model, seeded random ids for a random-weights one."""
-    from kvdemo.models import DEFAULT_MODEL, ModelLoadError, embedded_gguf, load_model, random_model
-    from kvdemo.texts import prose_ids
-
-    if source == DEFAULT_MODEL:
-        try:
-            embedded_gguf()
-        except ModelLoadError:  # the device machine: the same shapes, so the same tokens/s
-            source = f"random:{EMBEDDED_CONFIG}"
-    if source.startswith("random:"):
-        lm = random_model(source.removeprefix("random:"), device)
-        gen = torch.Generator().manual_seed(0)
-        n = min(n_tokens, lm.max_context - new_tokens)
-        return lm, torch.randint(1, lm.config.vocab_size, (n,), generator=gen).tolist()
-    lm = load_model(source, device=device.type, dtype="auto")
-    return lm, prose_ids(lm, min(n_tokens, lm.max_context - new_tokens))
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def kvdemo_decode(lm, ids: list[int], spec, backend: str, args, device: torch.device) -> dict:
-    """Prefill and greedy decode through kvdemo's cache: backend "torch", "triton" (eager steps) or
-    "triton+graphs" (steps between flushes replayed from a CUDA graph); one warm-up run first."""
-    from kvdemo import runner
-    from kvdemo.graphs import GRAPHS_ENV
-    from kvdemo.quant.backend import BACKEND_ENV
-
-    os.environ[BACKEND_ENV] = backend.removesuffix("+graphs")
-    os.environ[GRAPHS_ENV] = "1" if backend.endswith("+graphs") else "0"
-    try:
-        runner.run_precision(lm, ids[: 2 * args.group + 8], spec, 4)  # warm-up: compile, allocate, capture
-        _sync(device)
-        _reset_peak(device)
-        gen = runner.run_precision(lm, ids, spec, args.e2e_tokens)
-        _sync(device)
-    finally:
-        os.environ.pop(GRAPHS_ENV, None)
-    return {
-        "tokens": gen.tokens,
-        "new_tokens": len(gen.tokens),
-        "prefill_s": gen.prefill_s,
-        "decode_tok_s": gen.decode_tok_s,
-        "cache_bytes": gen.cache_bytes.get("total"),
-    }
-
-
-def hf_decode(lm, ids: list[int], kind: str, new_tokens: int, device: torch.device) -> dict:
-    """transformers' own greedy decode of the same prompt with its DynamicCache or StaticCache (SDPA attention):
-    the baseline kvdemo's full-precision rows are read against. Decode tokens/s from the difference between a
-    run of `new_tokens` tokens and a run of one (the prefill), each timed after a warm-up."""
-    from transformers import DynamicCache, StaticCache
-
-    from kvdemo.runner import attention_impl
-
-    x = torch.tensor([ids], device=device)
-
-    def run(n: int) -> tuple[float, list[int]]:
-        if kind == "dynamic":
-            cache = DynamicCache(config=lm.config)
-        elif kind == "static":
-            cache = StaticCache(config=lm.config, max_cache_len=len(ids) + n)
-        else:
-            raise ValueError(f"unknown transformers cache {kind!r}; allowed: dynamic, static")
-        _sync(device)
-        t0 = time.perf_counter()
-        out = lm.model.generate(
-            x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-        _sync(device)
-        return time.perf_counter() - t0, out[0, len(ids) :].tolist()
-
-    with attention_impl(lm, "sdpa"):
-        run(2)  # warm-up
-        _reset_peak(device)
-        prefill_s, _ = run(1)
-        total_s, tokens = run(new_tokens)
-    decode_s = max(total_s - prefill_s, 1e-9)
-    return {
-        "tokens": tokens,
-        "new_tokens": len(tokens),
-        "prefill_s": prefill_s,
-        "decode_tok_s": (len(tokens) - 1) / decode_s if len(tokens) > 1 else 0.0,
-        "cache_bytes": None,
-    }
-
-
-def bench_e2e(device: torch.device, args) -> list[dict]:
-    from kvdemo.precision import parse_precision
-    from kvdemo.quant.backend import BACKEND_ENV
-
-    rows = []
-    suffix = f":g{args.group}:r{args.residual}"
-    for source in _names(args.models):
-        prompts = _ints(str(args.e2e_prompt))
-        try:
-            lm, longest = e2e_model_and_prompt(source, device, max(prompts), args.e2e_tokens)
-        except ValueError as err:  # a model that is not there (the embedded one on the device machine)
-            rows.append({"model": source, "error": str(err)})
-            continue
-        for n_prompt, name in ((n, name) for n in prompts for name in _names(args.e2e_precisions)):
-            ids = longest[:n_prompt]
-            spec = parse_precision(name if name == "full" else name + suffix)
-            tokens_by_backend = {}
-            for backend in _names(args.e2e_backends):
-                if backend.startswith("hf-"):
-                    if spec.is_quantized:
-                        continue
-                    row = hf_decode(lm, ids, backend.removeprefix("hf-"), args.e2e_tokens, device)
-                else:
-                    row = kvdemo_decode(lm, ids, spec, backend, args, device)
-                if device.type == "cuda":  # the run's peak (reset by the decode functions), weights included
-                    row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-                tokens_by_backend[backend] = row.pop("tokens")
-                base = {"model": lm.name, "source": source, "dtype": str(lm.dtype).removeprefix("torch.")}
-                rows.append(base | {"precision": spec.label, "backend": backend, "prompt_tokens": len(ids)} | row)
-            first = next(iter(tokens_by_backend.values()))
-            for row in rows[-len(tokens_by_backend) :]:
-                row["same_tokens_across_backends"] = all(t == first for t in tokens_by_backend.values())
-        del lm
-        gc.collect()
-    os.environ.pop(BACKEND_ENV, None)
-    return rows
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -575,8 +523,16 @@ def goals(report: dict) -> dict:
         k: {"goal": GOALS[k], "measured": v, "met": None if v is None or report["smoke"] else bool(v >= GOALS[k])}
         for k, v in measured.items()
     }
+    if report.get("e2e"):
+        from gpu_e2e import e2e_goals
+
+        out |= e2e_goals(report["e2e"], report["smoke"])
     for fmt in ("int4", "int8"):  # judged at the default launch setting; the sweep's best beside it
         out[f"{fmt}_speedup_64k_b8"]["best_launch_setting"] = best_swept(fmt)
+        graphed = next((r for r in report.get("decode", []) if at_goal(r, fmt) and "speedup_graph" in r), None)
+        if graphed:  # both timed from CUDA graphs (no host gaps), or the eager times where capture failed
+            out[f"{fmt}_speedup_64k_b8"]["speedup_graph"] = graphed["speedup_graph"]
+            out[f"{fmt}_speedup_64k_b8"]["graph_fallback"] = graphed["triton_graph_fallback"]
         floors = next((f for f in report.get("floors", []) if f["format"] == f"k:{fmt} v:{fmt}"), None)
         measured_us = next(
             (r["triton_us"] for r in report.get("decode", []) if at_goal(r, fmt) and "triton_us" in r), None
@@ -639,13 +595,25 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_long(*a)
 
+    def bench_e2e():  # bench/gpu_e2e.py (it imports this file's helpers)
+        from gpu_e2e import bench_e2e
+
+        budget = float("inf") if args.e2e_budget_s is None else time.perf_counter() + args.e2e_budget_s
+        return bench_e2e(device, args, report, budget) if args.models.strip() else []
+
+    def bench_split():
+        from gpu_e2e import bench_split
+
+        return bench_split(device, args)
+
     sections = {
         "copy": lambda: bench_copy(device, args.smoke),
         "quantize": lambda: bench_quantize(device, args, report.get("copy", {}).get("gb_s", float("nan"))),
         "decode": lambda: bench_decode(device, args, started + args.time_budget_s),
         "sweep": lambda: bench_sweep(device, args) if sweep else [],
         "floors": bench_floors,
-        "e2e": lambda: bench_e2e(device, args) if args.models.strip() else [],
+        "e2e": bench_e2e,
+        "split": bench_split,
         "long": lambda: bench_long(device, args, stop_by, long_rows_so_far),
     }
     chosen = set(_names(args.sections))
@@ -673,11 +641,20 @@ def main(argv: list[str] | None = None) -> int:
         if "speedup" in r:
             print(
                 f"{r['format']:>8} ctx {r['context']:>6} batch {r['batch']:>2}: {r['triton_us']:9.1f} us "
-                f"vs SDPA {r['sdpa_us']:9.1f} us = {r['speedup']:.2f}x (memory-bound limit {r['memory_bound_limit']:.2f}x)"
+                f"vs SDPA {r['sdpa_us']:9.1f} us = {r['speedup']:.2f}x (memory-bound limit {r['memory_bound_limit']:.2f}x); "
+                f"graphs {r['triton_graph_us']:9.1f} vs {r['sdpa_graph_us']:9.1f} us = {r['speedup_graph']:.2f}x"
             )
     for r in report.get("e2e", []):
         if "decode_tok_s" in r:
-            print(f"{r['model']:<48} {r['precision']:<14} {r['backend']:>13}: {r['decode_tok_s']:8.1f} tok/s")
+            floor = f" ({r['fraction_of_floor']:.0%} of the memory floor)" if r.get("fraction_of_floor") else ""
+            print(
+                f"{r['model'][:40]:<40} {r['prompt_tokens']:>6} x{r['batch']:<2} {r['precision']:<14} {r['backend']:>13}: "
+                f"{r['decode_tok_s']:8.1f} tok/s{floor}"
+            )
+    for r in report.get("split", []):
+        print(
+            f"split {r['precision']}: same tokens as on one device: {r['same_tokens']}, caches on {r['cache_devices']}"
+        )
     for r in report.get("long", []):
         what = f"long {r['tokens']:>8} tokens {r['precision']:<14} {r.get('layers', '?'):>3} layers"
         if "prefill_s" in r:

@@ -8,6 +8,10 @@ small batch is bound by reading the weights). Attention then reads each sequence
 
 Prefill is per sequence (`runner.prefill` into a cache of its own), as serving engines admit requests;
 `BatchedKVCache(caches)` then decodes them together. Works for every format the cache stores.
+
+Sequences of one length can also share one `QuantizedKVCache` ([B, H, T, D] buffers, one set of regions):
+`decode_equal` decodes them with `graphs.DecodeSteps`, whose steps are replayed from a CUDA graph where the
+backend allows (what a benchmark of batch decode at one context measures).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .cache import BatchView, QuantizedKVCache, QuantizedLayer
+from .graphs import DecodeSteps
 from .models import LoadedModel
 from .runner import stop_token_ids
 
@@ -111,3 +116,36 @@ def decode_batch(
                 tokens[b].append(t)
                 done[b] = t in stops
     return {"tokens": tokens, "decode_s": time.perf_counter() - start, "steps": max(len(t) for t in tokens)}
+
+
+@torch.no_grad()
+def decode_equal(lm: LoadedModel, cache: QuantizedKVCache, first_logits: torch.Tensor, steps: int) -> dict:
+    """Greedy decoding of the B sequences of one length that `cache` holds, for `steps` tokens (the first from
+    `first_logits` [B, vocab], the prefill's last row per sequence), one `DecodeSteps.step_batch` per token.
+
+    Returns {"tokens": per sequence, up to and including its stop token, "decode_s", "steps", "graph_steps":
+    the DecodeSteps counts (eager, captured, replayed), "graph_blocker": why no step was captured, or None}.
+    A sequence that has stopped keeps running with the batch (its extra tokens are dropped).
+    """
+    stops = stop_token_ids(lm)
+    batch = first_logits.shape[0]
+    decode = DecodeSteps(lm, cache, new_tokens=steps, batch=batch)
+    last = first_logits.argmax(-1).tolist()  # [B]
+    tokens = [[t] for t in last]
+    done = [t in stops for t in last]
+    start = time.perf_counter()
+    for _ in range(steps - 1):
+        if all(done):
+            break
+        last = decode.step_batch(last).argmax(-1).tolist()  # [B]: the step's one host read
+        for b, t in enumerate(last):
+            if not done[b]:
+                tokens[b].append(t)
+                done[b] = t in stops
+    return {
+        "tokens": tokens,
+        "decode_s": time.perf_counter() - start,
+        "steps": max(len(t) for t in tokens),
+        "graph_steps": dict(decode.counts),
+        "graph_blocker": decode.blocker,
+    }

@@ -40,6 +40,8 @@ def graphs_blocker(lm: LoadedModel, cache) -> str | None:
         return f"{GRAPHS_ENV}=0"
     if lm.device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {lm.device.type}"
+    if any(p.device != lm.device for p in lm.model.parameters()):  # a graph would skip the other device's work
+        return "the model is split across devices"
     if not isinstance(cache, QuantizedKVCache):
         return "only kvdemo's cache keeps its lengths on the device"
     if backend_for(lm.device) != "triton":
@@ -77,7 +79,9 @@ def cuda_capture(step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], 
 
 class DecodeSteps:
     """The steps of one greedy decode over `cache`: `step(token)` appends `token` and returns the float32 logits
-    [vocab] of the next one, eagerly or by replaying a captured step.
+    [vocab] of the next one, eagerly or by replaying a captured step. With `batch` B > 1 the cache holds B
+    sequences of one length ([B, H, T, D] buffers): `step_batch(tokens)` appends one token to each and returns
+    logits [B, vocab].
 
     capture: `cuda_capture` (the default where `graphs_blocker` says nothing), None for eager steps only, or a
     stand-in with the same contract (tests). new_tokens: the most tokens the decode appends; with capture on,
@@ -85,7 +89,9 @@ class DecodeSteps:
     each kind of step are kept for reports.
     """
 
-    def __init__(self, lm: LoadedModel, cache, capture: Callable | None | str = "auto", new_tokens: int = 0):
+    def __init__(
+        self, lm: LoadedModel, cache, capture: Callable | None | str = "auto", new_tokens: int = 0, batch: int = 1
+    ):
         self.lm, self.cache = lm, cache
         if capture == "auto":
             self.blocker = graphs_blocker(lm, cache)
@@ -95,7 +101,7 @@ class DecodeSteps:
         self.capture = capture
         if capture is not None and new_tokens:  # buffers sized for the whole decode: no growth moves them
             cache.reserve(cache.get_seq_length() + new_tokens)
-        self.token = torch.zeros((1, 1), dtype=torch.long, device=lm.device)  # static inputs of the step
+        self.token = torch.zeros((batch, 1), dtype=torch.long, device=lm.device)  # static inputs of the step
         self.position = torch.zeros(1, dtype=torch.long, device=lm.device)
         self.replay, self.logits, self.buffers = None, None, None
         self.counts = {"eager": 0, "captured": 0, "replayed": 0}
@@ -109,7 +115,7 @@ class DecodeSteps:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[0, -1].float()
+        return out.logits[:, -1].float()  # [B, vocab]
 
     def _static(self) -> bool:
         return self.capture is not None and all(layer.next_is_static() for layer in self.cache.layers)
@@ -117,9 +123,18 @@ class DecodeSteps:
     def _buffers(self) -> tuple:
         return tuple(layer.buffers() for layer in self.cache.layers)
 
-    @torch.no_grad()
     def step(self, token: int) -> torch.Tensor:
-        self.token.fill_(int(token))
+        return self.step_batch([token])[0]
+
+    @torch.no_grad()
+    def step_batch(self, tokens) -> torch.Tensor:
+        """tokens: one per sequence, ints or an int64 tensor [B] on the device. Returns logits [B, vocab]."""
+        if isinstance(tokens, torch.Tensor):
+            self.token.copy_(tokens.view(-1, 1))
+        elif len(tokens) == 1:
+            self.token.fill_(int(tokens[0]))
+        else:
+            self.token.copy_(torch.tensor(tokens, dtype=torch.long).view(-1, 1))
         self.position.fill_(self.cache.get_seq_length())
         if not self._static():
             self.counts["eager"] += 1

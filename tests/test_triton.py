@@ -626,7 +626,7 @@ def test_gpu_benchmark_smoke(tmp_path):
     cmd += ["--sections", "copy,quantize,decode,sweep,floors,e2e"]
     cmd += ["--contexts", "96", "--batches", "1,2", "--formats", "int4,fp8_e4m3", "--method-formats", "nuq3:o1,nvfp4"]
     cmd += ["--quant-formats", "int8,int4,fp8_e4m3", "--e2e-backends", "torch", "--e2e-precisions", "int4"]
-    cmd += ["--models", "embedded,random:smollm2-135m", "--sweep", "on"]
+    cmd += ["--models", "embedded,random:smollm2-135m", "--e2e-batches", "1", "--sweep", "on"]
     proc = subprocess.run(
         cmd,
         capture_output=True,
@@ -650,11 +650,15 @@ def test_gpu_benchmark_smoke(tmp_path):
         (1, "nvfp4:g32:r32"),
     ]
     assert all(r["kernel"] for r in rows)
+    # graph timing falls back to the eager time on the CPU, and says why
+    assert all(r["triton_graph_us"] == r["triton_us"] and r["speedup_graph"] == r["speedup"] for r in rows)
+    assert all(r["triton_graph_fallback"].startswith("no CUDA device") for r in rows)
     assert all(r["bit_identical_to_reference"] for r in report["quantize"])
     assert all(1.0 < r["memory_bound_limit"] < 4.0 for r in rows)
     sweep = report["sweep"]
     assert len(sweep) == 6 and {r["format"] for r in sweep} == {"int4", "int8"} and all(r["us"] > 0 for r in sweep)
     assert {r["programs_per_sm"] for r in sweep} == {4, 16}  # the default split and a swept one
+    assert all(r["sdpa_graph_fallback"] and r["triton_graph_us"] == r["us"] for r in sweep)
     embedded, random = report["e2e"]
     assert embedded["source"] == "embedded" and random["source"] == "random:smollm2-135m"
     assert "random weights" in random["model"] and random["prompt_tokens"] == 48
@@ -670,7 +674,7 @@ def test_gpu_benchmark_smoke(tmp_path):
 
 
 def _gpu_bench(name: str = "gpu_attention"):
-    """bench/<name>.py as a module (gpu_attention, or its long-context section gpu_long_context)."""
+    """bench/<name>.py as a module (gpu_attention, or its sections' files gpu_long_context, gpu_e2e)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
@@ -683,7 +687,7 @@ def test_gpu_benchmark_embedded_stand_in(monkeypatch):
     """Where the embedded model is not installed (the device machine), its shapes run with random weights."""
     from kvdemo import models
 
-    bench = _gpu_bench()
+    bench = _gpu_bench("gpu_e2e")
 
     def missing():
         raise models.ModelLoadError("the embedded model is missing")
