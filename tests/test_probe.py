@@ -395,6 +395,23 @@ def test_cli_writes_the_report_and_csv_without_the_key(key, tmp_path, capsys):
     assert "NAME=BASE_URL,MODEL" in capsys.readouterr().err
 
 
+def test_cli_echo_option_is_recorded_and_a_bad_template_refused(key, tmp_path, capsys):
+    from kvdemo.cli import main
+
+    out = tmp_path / "probe.json"
+    with FakeServer(key=KEY, echo="reject") as server:
+        code = main(["probe", "--endpoint", f"a={server.base_url},fake-model,PROBE_KEY", "--lengths", "300",
+                     "--depths", "0", "--logprobs", "echo", "--echo-template", "chatml", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "answer log-probs: echo" in printed and "a: no answer log-probs by echo (the endpoint refused" in printed
+    report = ProbeReport.from_json(json.loads(out.read_text()))
+    assert report.provenance["command"].endswith("--logprobs echo --echo-template chatml")
+    assert report.cells[0].found and report.cells[0].answer_logprob is None
+    assert main(["probe", "--endpoint", "a=http://127.0.0.1:9/v1,m", "--logprobs", "echo", "--echo-template", "x"]) == 2
+    assert "with {prompt} once" in capsys.readouterr().err
+
+
 # --- the page (AppTest, the page alone: it loads no model) -------------------------------------------------------
 
 
@@ -459,3 +476,24 @@ def test_page_cancel_keeps_the_finished_cells(key, monkeypatch):
     assert partial["rows"] == [cell.to_json()] and partial["meta"]["lengths"] == [300, 900]
     assert any("Cancelled probe (partial): 1 of 6 cells" in i.value for i in at.info)
     assert len(at.get("download_button")) == 2
+
+
+def test_page_scores_answers_by_echo_and_says_which_endpoint_refused_it(key):
+    at = page()
+    at.radio(key="probe_logprobs").set_value("echo").run()
+    at.text_input(key="probe_echo_template").set_value("no placeholder").run()
+    at.button(key="probe_run").click().run()
+    assert any("with {prompt} once" in e.value for e in at.error)
+    with FakeServer(key=KEY) as good, FakeServer(key=KEY, echo="reject") as bad:
+        lines = [f"good={good.base_url},fake-model,PROBE_KEY", f"bad={bad.base_url},fake-model,PROBE_KEY"]
+        at.text_area(key="probe_endpoints").set_value("\n".join(lines)).run()
+        at.text_input(key="probe_echo_template").set_value("chatml").run()
+        at.text_input(key="probe_lengths").set_value("300").run()
+        at.text_input(key="probe_depths").set_value("0").run()
+        at.button(key="probe_run").click().run()
+        assert good.requests[-1]["prompt"].startswith("<|im_start|>user\n")
+    assert not at.exception, at.exception
+    cells = {c.endpoint: c for c in at.session_state["probe_result"].cells}
+    assert cells["good"].logprob_source == "echo" and cells["good"].answer_logprob == pytest.approx(-0.2)
+    assert cells["bad"].found and cells["bad"].answer_logprob is None
+    assert any(c.value.startswith("bad: no answer log-probs by echo") for c in at.caption)

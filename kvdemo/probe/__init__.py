@@ -11,7 +11,7 @@
 """
 
 from .client import ENDPOINT_FAILURES, Client, Endpoint, ProbeError, Reply, key_status, parse_endpoint, parse_endpoints
-from .echo import ECHO_TEMPLATES, LOGPROB_PATHS, resolve_template
+from .echo import ECHO_TEMPLATES, LOGPROB_LABELS, LOGPROB_PATHS, resolve_template
 from .prompts import ESTIMATOR, Question, WordPieces, answer_logprob
 from .run import DEFAULT_MAX_TOKENS, MAX_CONCURRENCY, questions, run_probe, work_tokens
 
@@ -20,6 +20,7 @@ __all__ = [
     "ECHO_TEMPLATES",
     "ENDPOINT_FAILURES",
     "ESTIMATOR",
+    "LOGPROB_LABELS",
     "LOGPROB_PATHS",
     "MAX_CONCURRENCY",
     "Client",

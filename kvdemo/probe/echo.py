@@ -23,6 +23,11 @@ import math
 from .prompts import Question
 
 LOGPROB_PATHS = ("chat", "echo", "off")  # where the probe reads the answer's log-prob; "off": nowhere
+LOGPROB_LABELS = {
+    "chat": "chat: the reply's tokens (found answers only)",
+    "echo": "echo: the true answer teacher-forced (completions API)",
+    "off": "off",
+}
 PLACEHOLDER = "{prompt}"
 ECHO_TEMPLATES = {
     "plain": "user: {prompt}\n\nassistant:",  # kvdemo's rendering of a prompt for a model without a chat template
@@ -36,9 +41,10 @@ class EchoUnsupported(ValueError):
 
 
 def resolve_template(text: str) -> str:
-    """A template by its name in `ECHO_TEMPLATES`, or the caller's own text with ``{prompt}`` once; ValueError
-    saying what is allowed otherwise."""
-    template = ECHO_TEMPLATES.get(text.strip(), text)
+    """A template by its name in `ECHO_TEMPLATES`, or the caller's own text with ``{prompt}`` once (``\\n`` written
+    out is a newline: a command line or a one-line field can hold the template); ValueError saying what is allowed
+    otherwise."""
+    template = ECHO_TEMPLATES.get(text.strip(), text.replace("\\n", "\n"))
     if template.count(PLACEHOLDER) != 1:
         raise ValueError(
             f"echo template {text!r}: give {' or '.join(ECHO_TEMPLATES)}, or a template with {PLACEHOLDER} once where "
