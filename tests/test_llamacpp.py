@@ -141,8 +141,10 @@ def test_needle_rows_pair_with_llamacpps_f16_row(lm):
     from kvdemo.needle import run_grid
     from kvdemo.results.needle import differences_from_full, summarize
 
-    grid = run_grid(lm, [300], [50], "full,int4,llama.cpp:q4_0", max_new_tokens=12)
+    seen = []
+    grid = run_grid(lm, [300], [50], "full,int4,llama.cpp:q4_0", max_new_tokens=12, on_progress=seen.append)
     assert grid.precisions == ["full", "int4", "llama.cpp:f16", "llama.cpp:q4_0"]
+    assert seen[-1].done == seen[-1].total == 4 * 300  # llama.cpp's rows are counted in the progress total
     rows = {r.precision: r for r in grid.rows}
     assert rows["llama.cpp:f16"].correct, rows["llama.cpp:f16"].answer  # a 300-token passkey: found
     assert rows["llama.cpp:f16"].answer_logprob > -2
