@@ -1,6 +1,7 @@
 """An OpenAI-compatible chat-completions client on the standard library (urllib), bounded and polite.
 
-One `Client` per endpoint: `chat(messages, max_tokens)` POSTs to ``{base_url}/chat/completions`` with a
+One `Client` per endpoint: `chat(messages, max_tokens)` POSTs to ``{base_url}/chat/completions`` (and
+`complete(body)` to the legacy ``{base_url}/completions``, for the answer's log-prob by echo) with a
 per-request timeout, retries 429, 5xx, timeouts and dropped connections with exponential backoff (a 429's or
 503's ``Retry-After`` is honoured, capped), and turns every failure into a `ProbeError` whose `kind` and one-line
 message say what went wrong: the endpoint is unreachable, refused the key, does not serve the model, found the
