@@ -8,8 +8,14 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo import needle, prefill_modes
-from kvdemo.figures.needle import FULL_MISSED, needle_difference_figure, needle_heatmap_figure, needle_logprob_figure
-from kvdemo.needle import KINDS, MAX_REPEATS, NeedleError, parse_numbers
+from kvdemo.figures.needle import (
+    FULL_MISSED,
+    compared,
+    needle_difference_figure,
+    needle_heatmap_figure,
+    needle_logprob_figure,
+)
+from kvdemo.needle import KINDS, LLAMACPP_FAILED, MAX_REPEATS, NeedleError, parse_numbers
 from kvdemo.results.labels import label, readable
 from kvdemo.results.needle import (
     NeedleGrid,
@@ -51,6 +57,7 @@ defaults = {
     "needle_question": "What is the secret ingredient of the soup?",
     "needle_answer": "cardamom",
     "needle_prefill_mode": "chunked",
+    "needle_llamacpp": [],
 }
 for key, value in defaults.items():
     common.persist(key, value)
@@ -90,6 +97,19 @@ picked = common.precision_picker(
     "needle_precisions",
     ["full", "int8", common.spec().label, "int2"],
 )
+offered, no_llamacpp = needle.llamacpp_choices(lm)
+if offered:
+    st.session_state["needle_llamacpp"] = [t for t in st.session_state["needle_llamacpp"] if t in offered]
+    picked_llamacpp = st.multiselect(
+        "llama.cpp KV caches (llama.cpp:f16 comes with them, their baseline)",
+        offered,
+        key="needle_llamacpp",
+        help="llama.cpp's own quantized cache (-ctk/-ctv) on the same GGUF file and token ids; each row is read "
+        "against llama.cpp's f16 row, never against kvdemo's full row (docs/llamacpp.md)",
+    )
+else:
+    picked_llamacpp = []
+    st.caption(f"llama.cpp rows: {no_llamacpp}")
 prefill_mode = st.radio(
     "Prefill: how each quantized cache stores the haystack",
     PREFILL_MODES,
@@ -120,7 +140,7 @@ try:
         question=st.session_state["needle_question"] if custom else "",
         answer=st.session_state["needle_answer"] if custom else "",
     )
-    settings_error = None if picked else "pick at least one precision"
+    settings_error = None if picked or picked_llamacpp else "pick at least one precision"
 except NeedleError as err:
     lengths, depths, settings_error = [], [], str(err)
 
@@ -129,7 +149,7 @@ run = job.buttons()
 if settings_error is not None:  # checked before any estimate: a grid that cannot run has no time
     st.error(settings_error)
 else:
-    job.hint(lm, needle.work_tokens(lengths, depths, ["full", *picked], repeats), "this grid")
+    job.hint(lm, needle.work_tokens(lengths, depths, ["full", *picked, *picked_llamacpp], repeats), "this grid")
 
 if run and settings_error is None:
     status = st.empty()
@@ -140,7 +160,7 @@ if run and settings_error is None:
         seed=int(st.session_state["needle_seed"]),
         lengths=lengths,
         depths=depths,
-        precisions=[s.label for s in needle.specs_with_full(["full", *picked])],
+        precisions=needle.contender_labels(["full", *picked, *picked_llamacpp]),
         rows=[],
         seconds=0.0,
         prefill_mode=prefill_mode,
@@ -173,7 +193,7 @@ if run and settings_error is None:
 def show(grid: NeedleGrid, key: str = "needle") -> None:
     """A grid's summary, heatmaps, answers and downloads (`key` prefixes the widget keys)."""
     for note in grid.notes:
-        st.caption(note)
+        (st.warning if note.startswith(LLAMACPP_FAILED) else st.caption)(note)
     missed, runs = full_missed(grid.rows)
     if missed:
         what = "cells" if grid.runs_per_cell == 1 else "runs"
@@ -190,8 +210,7 @@ def show(grid: NeedleGrid, key: str = "needle") -> None:
         for d in differences_from_full(grid.rows):
             st.caption(difference_line(d))
     st.plotly_chart(needle_heatmap_figure(grid), key=f"{key}_heatmap")
-    precisions = list(dict.fromkeys(r.precision for r in grid.rows))
-    if "full" in precisions and len(precisions) > 1:
+    if any(r.precision == "full" for r in grid.rows) and compared(grid):
         st.plotly_chart(needle_difference_figure(grid), key=f"{key}_difference")
     st.plotly_chart(needle_logprob_figure(grid), key=f"{key}_logprob")
     st.markdown("**Answers**")

@@ -7,8 +7,17 @@ import streamlit as st
 
 from app_pages import common
 from kvdemo.figures.needle import needle_difference_figure, needle_heatmap_figure
-from kvdemo.needle import KINDS, MAX_REPEATS, NeedleError, parse_numbers
-from kvdemo.probe import MAX_CONCURRENCY, key_status, parse_endpoints, run_probe
+from kvdemo.needle import KINDS, MAX_REPEATS, parse_numbers
+from kvdemo.probe import (
+    ECHO_TEMPLATES,
+    LOGPROB_LABELS,
+    LOGPROB_PATHS,
+    MAX_CONCURRENCY,
+    key_status,
+    parse_endpoints,
+    resolve_template,
+    run_probe,
+)
 from kvdemo.results.needle import difference_line
 from kvdemo.results.probe import (
     ProbeCell,
@@ -40,6 +49,8 @@ defaults = {
     "probe_concurrency": 2,
     "probe_timeout": 120,
     "probe_retries": 3,
+    "probe_logprobs": "chat",
+    "probe_echo_template": "plain",
     "probe_needle": "The secret ingredient of the soup is cardamom.",
     "probe_question": "What is the secret ingredient of the soup?",
     "probe_answer": "cardamom",
@@ -80,12 +91,30 @@ c1, c2, c3 = st.columns(3)
 c1.number_input("Requests in flight per endpoint", 1, MAX_CONCURRENCY, key="probe_concurrency")
 c2.number_input("Timeout per request (s)", 1, 3600, key="probe_timeout")
 c3.number_input("Retries (429, 5xx, timeouts)", 0, 10, key="probe_retries")
+logprobs = st.radio(
+    "Answer log-prob",
+    LOGPROB_PATHS,
+    format_func=LOGPROB_LABELS.get,
+    key="probe_logprobs",
+    horizontal=True,
+    help="echo sends each answered prompt again to BASE_URL/completions with the true answer after it and reads "
+    "the log-probs of its echoed tokens: the needle page's log p(answer), for misses too",
+)
+if logprobs == "echo":
+    st.text_input(
+        "Echo template",
+        key="probe_echo_template",
+        help=f"{' or '.join(ECHO_TEMPLATES)}, or your model's chat template up to the assistant's turn with {{prompt}} "
+        "where the needle's user message goes (\\n for a newline)",
+    )
 
 try:
     lengths = parse_numbers(st.session_state["probe_lengths"], "lengths", int)
     depths = parse_numbers(st.session_state["probe_depths"], "depths", float)
+    if logprobs == "echo":
+        resolve_template(st.session_state["probe_echo_template"])
     settings_error = endpoint_error
-except NeedleError as err:
+except ValueError as err:  # NeedleError is one
     lengths, depths, settings_error = [], [], str(err)
 
 job = common.LongRun("probe", "Run probe", "Stops sending requests; the cells answered so far are kept")
@@ -122,6 +151,8 @@ if job.buttons():
                 concurrency=int(st.session_state["probe_concurrency"]),
                 timeout_s=float(st.session_state["probe_timeout"]),
                 retries=int(st.session_state["probe_retries"]),
+                logprobs=logprobs,
+                echo_template=st.session_state["probe_echo_template"],
                 on_progress=on_progress,
             ),
             planned.to_json(),

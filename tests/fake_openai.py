@@ -6,6 +6,13 @@ first half of the prompt ("I don't know." otherwise); prompts over `context_toke
 "maximum context length" message, as vLLM and OpenAI send. Tokens are counted with the probe's own
 `WordPieces`, so usage.prompt_tokens is exact here; log-probs come back when asked for and `logprobs` is True ("reject": the request is refused with a 400 naming them).
 
+The legacy completions API (``/v1/completions``) answers `echo` requests as llama.cpp's server does: the prompt's
+word pieces echoed with their log-probs (the first None), then one completion token. The answer's pieces (the
+prompt's last characters after "is ") get -0.1 each where the rule above would find the needle, -2.0 where not;
+every other piece -0.5. `echo` scripts the endpoint: True answers, "reject" a 400 "echo is not supported",
+"nofields" a 200 without log-probs, "shifted" drops the completion's token (as llama-cpp-python does when it
+misplaces the echoed log-probs), "garbled" drops the prompt's last piece; False has no completions API (404).
+
 `plan` scripts misbehaviour, one entry per request in order ("ok" once it runs out): "500", "429" (with
 Retry-After: 0), "badjson", "nofields", "slow" (answers after `slow_s`), "drop" (closes the connection).
 A wrong or missing key gets a 401 whose message echoes the key sent (as some servers do); another model name
@@ -35,9 +42,10 @@ class FakeServer:
         plan: list[str] | None = None,
         slow_s: float = 1.0,
         logprobs: bool | str = True,  # False: never returned; "reject": a 400 when asked for
+        echo: bool | str = True,  # the completions API: see the module's docstring
     ):
         self.model, self.key, self.context_tokens, self.recall_tokens = model, key, context_tokens, recall_tokens
-        self.plan, self.slow_s, self.logprobs = list(plan or []), slow_s, logprobs
+        self.plan, self.slow_s, self.logprobs, self.echo = list(plan or []), slow_s, logprobs, echo
         self.requests: list[dict] = []  # every request body, with "authorization" added
         self.in_flight = self.most_in_flight = 0  # requests being answered now, and the most at once
         self._lock = threading.Lock()
@@ -68,6 +76,33 @@ class FakeServer:
             return f"The answer is {m.group(1)}."
         return "I don't know."
 
+    def echoed(self, body: dict) -> tuple[int, dict]:
+        """(status, answer) of a completions request with echo, as `echo` scripts it."""
+        prompt = body["prompt"]
+        if self.echo == "reject":
+            return 400, {"error": {"message": "echo is not supported with logprobs for this model"}}
+        completion = "."
+        choice = {"index": 0, "text": prompt + completion, "logprobs": None, "finish_reason": "length"}
+        if self.echo != "nofields":
+            pieces = [prompt[a:b] for a, b in WordPieces()(prompt, return_offsets_mapping=True)["offset_mapping"]]
+            at = prompt.rindex("is ") + len("is ")
+            found = self.answer(prompt[:at]) != "I don't know."
+            values, pos = [], 0
+            for p in pieces:
+                values.append((-0.1 if found else -2.0) if pos + len(p) > at else -0.5)
+                pos += len(p)
+            tokens = pieces + [completion]
+            values = [None, *values[1:], -1.0]
+            if self.echo == "shifted":
+                tokens, values = tokens[:-1], values[:-1]
+            if self.echo == "garbled":
+                del tokens[-2], values[-2]
+            offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": values, "text_offset": offsets,
+                                  "top_logprobs": None}  # fmt: skip
+        usage = {"prompt_tokens": _COUNT(prompt), "completion_tokens": 1, "total_tokens": _COUNT(prompt) + 1}
+        return 200, {"id": "cmpl-1", "object": "text_completion", "choices": [choice], "usage": usage}
+
     def _handler(self):
         server = self
 
@@ -91,7 +126,8 @@ class FakeServer:
                 with server._lock:
                     server.requests.append(body | {"authorization": auth})
                     step = server.plan.pop(0) if server.plan else "ok"
-                if self.path != "/v1/chat/completions":
+                completions = self.path == "/v1/completions" and server.echo is not False
+                if self.path != "/v1/chat/completions" and not completions:
                     return self._send(404, {"error": {"message": "Not found"}})
                 if server.key and auth != f"Bearer {server.key}":
                     sent = auth.removeprefix("Bearer ")
@@ -100,6 +136,8 @@ class FakeServer:
                     return self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist"}})
                 if body.get("logprobs") and server.logprobs == "reject":
                     return self._send(400, {"error": {"message": "logprobs is not supported by this server"}})
+                if completions:
+                    return self._send(*server.echoed(body))
                 if step == "500":
                     return self._send(500, {"error": {"message": "internal error"}})
                 if step == "429":

@@ -298,6 +298,47 @@ def test_small_needle_grid_draws_heatmaps_and_table():
     assert len(at.get("download_button")) == 2
 
 
+@pytest.mark.llamacpp
+def test_needle_page_runs_llamacpp_cache_types_against_their_own_f16_row(monkeypatch):
+    import kvdemo.llamacpp as llamacpp
+    from kvdemo.engines import LlamaCppError
+
+    at = start("app_pages/needle.py")
+    at.text_input(key="needle_lengths").set_value("160")
+    at.text_input(key="needle_depths").set_value("50")
+    at.multiselect(key="needle_precisions").set_value(["full"])
+    at.multiselect(key="needle_llamacpp").set_value(["llama.cpp:q4_0"])
+    at.button(key="needle_run").click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    result = at.session_state["needle_result"]
+    assert result.precisions == ["full", "llama.cpp:f16", "llama.cpp:q4_0"]
+    assert [r.precision for r in result.rows] == result.precisions
+    heat, diff, _ = (json.loads(c.proto.spec) for c in at.get("plotly_chart"))
+    assert len(heat["data"]) == 3 and len(diff["data"]) == 1  # llama.cpp:q4_0 - llama.cpp:f16 only
+    assert "llama.cpp:q4_0 - llama.cpp:f16" in diff["data"][0]["hovertemplate"]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("llama_context: failed to allocate")
+
+    monkeypatch.setattr(llamacpp, "Engine", broken)  # the engine fails: a warning, kvdemo's rows kept
+    at.button(key="needle_run").click().run()
+    assert not at.exception
+    assert [r.precision for r in at.session_state["needle_result"].rows] == ["full"]
+    assert any(w.value.startswith("llama.cpp failed at 160 tokens") and "failed to allocate" in w.value
+               for w in at.warning)  # fmt: skip
+
+    def hub_model(lm):
+        raise LlamaCppError("llama.cpp contenders run a GGUF file; m was loaded from org/m")
+
+    monkeypatch.setattr(llamacpp, "gguf_path", hub_model)  # a Hugging Face folder: said instead of offered
+    at.run()
+    assert all(m.key != "needle_llamacpp" for m in at.get("multiselect"))
+    assert any("llama.cpp rows: llama.cpp contenders run a GGUF file" in c.value for c in at.caption)
+    monkeypatch.setattr(llamacpp, "available", lambda: llamacpp.INSTALL)  # no binding: how to install it
+    at.run()
+    assert any("`make llamacpp` builds it" in c.value for c in at.caption)
+
+
 def test_needle_bad_settings_and_oom_show_messages(monkeypatch):
     import kvdemo.needle as needle
 

@@ -100,6 +100,29 @@ def test_cells_where_full_precision_missed_are_marked():
                 assert marked == [depth == "90%"] * len(LENGTHS), (trace.name, depth, texts)
 
 
+def test_llamacpp_rows_are_read_against_llamacpps_own_f16_row():
+    """A grid with kvdemo's rows and llama.cpp's: the difference map draws int4 - full and llama.cpp:q4_0 -
+    llama.cpp:f16, each heatmap panel marks where its own engine's full row missed, llama.cpp's lines are dashed."""
+    from kvdemo.figures.needle import compared, needle_logprob_figure
+
+    labels = ["full", "int4", "llama.cpp:f16", "llama.cpp:q4_0"]
+    rows = []
+    for p, label in enumerate(labels):
+        for n in LENGTHS:
+            correct = not (label == "full" and n == 1000) and not (label == "llama.cpp:f16" and n == 2000)
+            rows.append(NeedleRow(n, 50.0, label, "", correct, -(p + 1) - n / 10_000, "12345", "passkey", "", n, 50.0,
+                                  0, 5, 5, "eos", 0, 0, 0))  # fmt: skip
+    grid = NeedleGrid("m", "passkey", "filler", 0, LENGTHS, [50.0], labels, rows, 1.0)
+    assert compared(grid) == {"int4": "full", "llama.cpp:q4_0": "llama.cpp:f16"}
+    diff = needle_difference_figure(grid)
+    assert [list(t.z[0]) for t in diff.data] == [[pytest.approx(-1.0)] * 2, [pytest.approx(-1.0)] * 2]
+    assert "each engine's full row" in diff.layout.title.text
+    assert [[FULL_MISSED in t for t in trace.text[0]] for trace in diff.data] == [[True, False], [False, True]]
+    heat = needle_heatmap_figure(grid)
+    assert [[FULL_MISSED in t for t in trace.text[0]] for trace in heat.data][1::2] == [[True, False], [False, True]]
+    assert [t.line.dash for t in needle_logprob_figure(grid).data] == [None, None, "dash", "dash"]
+
+
 def test_needle_heatmap_of_a_shipped_grid_reads_its_found_rates():
     """The typed grid of assets/reports/needle_passkey_repeats.json: each heatmap cell is that cell's found rate
     over its ten seeds, labelled found/runs."""

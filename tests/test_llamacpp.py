@@ -141,8 +141,10 @@ def test_needle_rows_pair_with_llamacpps_f16_row(lm):
     from kvdemo.needle import run_grid
     from kvdemo.results.needle import differences_from_full, summarize
 
-    grid = run_grid(lm, [300], [50], "full,int4,llama.cpp:q4_0", max_new_tokens=12)
+    seen = []
+    grid = run_grid(lm, [300], [50], "full,int4,llama.cpp:q4_0", max_new_tokens=12, on_progress=seen.append)
     assert grid.precisions == ["full", "int4", "llama.cpp:f16", "llama.cpp:q4_0"]
+    assert seen[-1].done == seen[-1].total == 4 * 300  # llama.cpp's rows are counted in the progress total
     rows = {r.precision: r for r in grid.rows}
     assert rows["llama.cpp:f16"].correct, rows["llama.cpp:f16"].answer  # a 300-token passkey: found
     assert rows["llama.cpp:f16"].answer_logprob > -2
@@ -199,6 +201,44 @@ def test_probe_two_llamacpp_servers_matches_llamacpp_in_process(servers, gguf):
     checks = in_process_checks(report, asked, gguf, kvs, n_ctx=1536, max_tokens=16)
     assert len(checks) == 8
     assert all(c["same"] for c in checks), [c for c in checks if not c["same"]]
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_echoed_answer_logprob_is_llamacpps_own_teacher_forced_one(gguf):
+    """A needle prompt and its true answer echoed by llama.cpp's server (the completions API, as the probe sends
+    them with --logprobs echo) give the answer the log-prob llama.cpp in-process gives the same text: the same
+    tokens (the server's usage counts them), the same weights, cache type and thread count, and one batch from
+    position 0 on both sides (a fresh server; n_batch 512 both), so the logits are the same; 1e-3 nats leaves room
+    for the log-softmax's float sums (numpy there, torch here). The plain template does not begin with SmolLM2's
+    BOS token, and llama-cpp-python 0.3.36 then shifts the echoed log-probs by one: the probe sees it and says so
+    instead of scoring garbage. (The server's echo sorts the vocabulary at every prompt token in Python: a short
+    prompt keeps this test quick.)"""
+    from kvdemo.probe import Client, Endpoint, questions
+    from kvdemo.probe.echo import answer_logprob_from_echo, echo_body, echo_prompt
+
+    q = questions("passkey", [120], [50])[1][0]
+    sent, answer = echo_prompt("chatml", q), q.task.answer
+    kv = KvTypes("f16", "f16")
+    with llamacpp.server(gguf, kv, n_ctx=512, alias="m") as url:
+        client = Client(Endpoint("local", url, "m"), timeout_s=120)
+        echoed = client.complete(echo_body("m", sent))
+        served = answer_logprob_from_echo(echoed, sent, answer)
+        plain = "user: The pass key is 68213. What is it?\n\nassistant: The pass key is 68213"
+        with pytest.raises(ValueError, match="do not end with the completion"):
+            answer_logprob_from_echo(client.complete(echo_body("m", plain)), plain, "68213")
+    engine = llamacpp.Engine(gguf, kv, n_ctx=512)
+    try:
+        ids = engine.llm.tokenize(sent.encode(), add_bos=False, special=True)
+        head = engine.llm.tokenize(sent[: -len(answer)].encode(), add_bos=False, special=True)
+        assert ids[: len(head)] == head and len(ids) > len(head)  # the answer's tokens follow the prompt's
+        logp = torch.log_softmax(engine.feed(ids), -1)  # [T, V]: row i predicts ids[i + 1]
+    finally:
+        engine.close()
+    assert echoed["usage"]["prompt_tokens"] == len(ids)  # the server read the same tokens
+    in_process = float(sum(logp[i - 1, ids[i]] for i in range(len(head), len(ids))))
+    assert served == pytest.approx(in_process, abs=1e-3)
+    assert -3 < served < 0  # a 120-token passkey: the model knows it
 
 
 @pytest.mark.model

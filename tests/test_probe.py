@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from fake_openai import FakeServer
@@ -96,6 +97,93 @@ def test_answer_usage_and_logprobs(key):
         reply = client.chat(MESSAGES, 16)
         assert "12345" in reply.text and reply.token_logprobs is None and reply.attempts == 1
         assert [r.get("logprobs") for r in server.requests] == [True, None] and client.logprobs is False
+
+
+# --- the answer's log-prob by echo (the completions API) ---------------------------------------------------------
+
+
+def test_echo_prompt_and_the_answer_found_by_characters():
+    from kvdemo.probe.echo import EchoUnsupported, answer_logprob_from_echo, echo_prompt, resolve_template
+
+    q = questions("passkey", [300], [50])[1][0]
+    answer = q.task.answer
+    plain = echo_prompt("plain", q)
+    assert plain == f"user: {q.prompt.text}\n\nassistant: The pass key is {answer}"
+    assert echo_prompt("chatml", q).endswith(f"<|im_start|>assistant\nThe pass key is {answer}")
+    assert echo_prompt("<s>[INST] {prompt} [/INST]", q).endswith(f"[/INST] The pass key is {answer}")
+    for bad in ("llama", "{prompt} and {prompt}"):
+        with pytest.raises(ValueError, match=r"plain or chatml, or a template with \{prompt\} once"):
+            resolve_template(bad)
+    # llama-cpp-python's way: special tokens spelled "" (so text_offset is not an offset into the prompt), the
+    # first token without a log-prob, one completion token after the prompt
+    sent = "<|im_start|>user\nWhat is it?<|im_end|>\n<|im_start|>assistant\nThe pass key is 68213"
+    tokens = ["user", "\n", "What", " is", " it", "?", "", "\n", "ass", "istant", "\n", "The", " pass", " key", " is",
+              " ", "6", "8", "2", "1", "3", "."]  # fmt: skip
+    values = [None] + [-1.0] * 15 + [-0.1, -0.01, -0.02, -0.03, -0.04, -0.5]
+    ok = {"choices": [{"text": sent + ".", "logprobs": {"tokens": tokens, "token_logprobs": values}}]}
+    assert answer_logprob_from_echo(ok, sent, "68213") == pytest.approx(-0.2)
+    joined = {"choices": [{"text": sent + ".", "logprobs": {"tokens": [*tokens[:15], " 682", "13", "."],
+                                                           "token_logprobs": [*values[:15], -1.5, -0.5, -0.5]}}]}  # fmt: skip
+    assert answer_logprob_from_echo(joined, sent, "68213") == pytest.approx(-2.0)  # " 682": its space comes along
+    shifted = {"choices": [{"text": sent + ".", "logprobs": {"tokens": tokens[:-1], "token_logprobs": values[:-1]}}]}
+    with pytest.raises(ValueError, match="do not end with the completion"):
+        answer_logprob_from_echo(shifted, sent, "68213")
+    garbled = {
+        "choices": [{"text": sent + ".", "logprobs": {"tokens": [*tokens[:20], "4", "."], "token_logprobs": values}}]
+    }
+    with pytest.raises(ValueError, match="do not spell the answer"):
+        answer_logprob_from_echo(garbled, sent, "68213")
+    for missing in ({"choices": [{"text": sent + ".", "logprobs": None}]}, {"choices": []}, {}):
+        with pytest.raises(EchoUnsupported, match="no choices"):
+            answer_logprob_from_echo(missing, sent, "68213")
+    with pytest.raises(EchoUnsupported, match="did not echo"):
+        answer_logprob_from_echo({"choices": [{"text": ".", "logprobs": {"tokens": ["."], "token_logprobs": [-1]}}]},
+                                 sent, "68213")  # fmt: skip
+
+
+def test_probe_scores_the_true_answer_by_echo_hit_or_miss(key):
+    with FakeServer(key=KEY, recall_tokens=400) as server:
+        report = run_probe([fast(server)], [300, 700], [0, 50], logprobs="echo", concurrency=1)
+        chats = [r for r in server.requests if "messages" in r]
+        echoes = [r for r in server.requests if "prompt" in r]
+        off = run_probe([fast(server)], [300], [0], logprobs="off")
+        assert len(server.requests) == 9 and "logprobs" not in server.requests[-1]  # "off": one plain chat request
+    assert off.cells[0].found and off.cells[0].answer_logprob is None and off.cells[0].reply_logprob is None
+    assert all("logprobs" not in r for r in chats)  # the chat request asks for none: the answer is scored apart
+    assert len(echoes) == 4 and all(r["echo"] is True and r["max_tokens"] == 1 and r["logprobs"] == 1 for r in echoes)
+    assert echoes[0]["prompt"].startswith("user: ") and echoes[0]["prompt"].endswith(report.cells[0].expected)
+    by = {(c.length, c.depth): c for c in report.cells}
+    assert [by[700, d].found for d in (0.0, 50.0)] == [True, False]
+    assert all(c.logprob_source == "echo" for c in report.cells)
+    assert by[700, 0.0].answer_logprob == pytest.approx(-0.2)  # " 123" "45": two pieces of -0.1
+    assert by[700, 50.0].answer_logprob == pytest.approx(-4.0)  # a miss has its log-prob too
+    rates = found_rates(report.cells)[0]
+    assert rates["with_logprobs"] == 4 and rates["mean_answer_logprob"] == pytest.approx((3 * -0.2 - 4.0) / 4)
+    assert report.settings["logprobs"] == "echo" and report.settings["echo_template"].startswith("user: {prompt}")
+    assert ProbeReport.from_json(report.to_json()).cells == report.cells
+    assert "logprob_source" in report_csv(report).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("echo", "refused", "says"),
+    [
+        ("reject", True, r"refused the request \(HTTP 400\): echo is not supported"),
+        (False, True, r"no completions at http://127\.0\.0\.1:\d+/v1/completions \(HTTP 404\)"),
+        ("nofields", True, r"no choices\[0\]\.text with logprobs"),
+        ("shifted", False, "do not end with the completion"),
+        ("garbled", False, "do not spell the answer"),
+    ],
+)
+def test_an_endpoint_without_echo_keeps_its_cells_and_says_why_once(key, echo, refused, says):
+    with FakeServer(key=KEY, echo=echo) as server:
+        report = run_probe([fast(server)], [300], [0, 50, 100], logprobs="echo", concurrency=1)
+        echoes = [r for r in server.requests if "prompt" in r]
+    assert len(report.cells) == 3 and all(c.found and c.answer_logprob is None for c in report.cells)
+    assert all(c.logprob_source == "" and not c.error for c in report.cells)
+    assert len(echoes) == (1 if refused else 3)  # a refusal is not asked again; a cell's failure is the cell's
+    notes = [n for n in report.notes if "echo" in n]
+    assert len(notes) == 1 and re.search(says, notes[0]), notes
+    assert notes[0].startswith("fake: no answer log-probs by echo" if refused else "fake: no echo log-prob for 3 cells")
 
 
 @pytest.mark.parametrize(
@@ -307,6 +395,23 @@ def test_cli_writes_the_report_and_csv_without_the_key(key, tmp_path, capsys):
     assert "NAME=BASE_URL,MODEL" in capsys.readouterr().err
 
 
+def test_cli_echo_option_is_recorded_and_a_bad_template_refused(key, tmp_path, capsys):
+    from kvdemo.cli import main
+
+    out = tmp_path / "probe.json"
+    with FakeServer(key=KEY, echo="reject") as server:
+        code = main(["probe", "--endpoint", f"a={server.base_url},fake-model,PROBE_KEY", "--lengths", "300",
+                     "--depths", "0", "--logprobs", "echo", "--echo-template", "chatml", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "answer log-probs: echo" in printed and "a: no answer log-probs by echo (the endpoint refused" in printed
+    report = ProbeReport.from_json(json.loads(out.read_text()))
+    assert report.provenance["command"].endswith("--logprobs echo --echo-template chatml")
+    assert report.cells[0].found and report.cells[0].answer_logprob is None
+    assert main(["probe", "--endpoint", "a=http://127.0.0.1:9/v1,m", "--logprobs", "echo", "--echo-template", "x"]) == 2
+    assert "with {prompt} once" in capsys.readouterr().err
+
+
 # --- the page (AppTest, the page alone: it loads no model) -------------------------------------------------------
 
 
@@ -371,3 +476,24 @@ def test_page_cancel_keeps_the_finished_cells(key, monkeypatch):
     assert partial["rows"] == [cell.to_json()] and partial["meta"]["lengths"] == [300, 900]
     assert any("Cancelled probe (partial): 1 of 6 cells" in i.value for i in at.info)
     assert len(at.get("download_button")) == 2
+
+
+def test_page_scores_answers_by_echo_and_says_which_endpoint_refused_it(key):
+    at = page()
+    at.radio(key="probe_logprobs").set_value("echo").run()
+    at.text_input(key="probe_echo_template").set_value("no placeholder").run()
+    at.button(key="probe_run").click().run()
+    assert any("with {prompt} once" in e.value for e in at.error)
+    with FakeServer(key=KEY) as good, FakeServer(key=KEY, echo="reject") as bad:
+        lines = [f"good={good.base_url},fake-model,PROBE_KEY", f"bad={bad.base_url},fake-model,PROBE_KEY"]
+        at.text_area(key="probe_endpoints").set_value("\n".join(lines)).run()
+        at.text_input(key="probe_echo_template").set_value("chatml").run()
+        at.text_input(key="probe_lengths").set_value("300").run()
+        at.text_input(key="probe_depths").set_value("0").run()
+        at.button(key="probe_run").click().run()
+        assert good.requests[-1]["prompt"].startswith("<|im_start|>user\n")
+    assert not at.exception, at.exception
+    cells = {c.endpoint: c for c in at.session_state["probe_result"].cells}
+    assert cells["good"].logprob_source == "echo" and cells["good"].answer_logprob == pytest.approx(-0.2)
+    assert cells["bad"].found and cells["bad"].answer_logprob is None
+    assert any(c.value.startswith("bad: no answer log-probs by echo") for c in at.caption)

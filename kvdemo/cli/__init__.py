@@ -178,6 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=_positive_int, default=32, help="answer tokens asked for")
     p.add_argument(
+        "--logprobs",
+        default="chat",
+        choices=["chat", "echo", "off"],
+        help="where the answer's log-prob is read: chat (the reply's tokens, found answers only), echo (the "
+        "completions API echoes the prompt and the true answer: teacher-forced, hit or miss), off",
+    )
+    p.add_argument(
+        "--echo-template",
+        default="plain",
+        help="with --logprobs echo, the prompt as text: plain (user: ...\n\nassistant:), chatml, or your model's "
+        "template with {prompt} where the needle's user message goes",
+    )
+    p.add_argument(
         "--llamacpp",
         default="",
         help="also start llama.cpp's own server on loopback once per KV cache type (e.g. f16,q4_0), probe them as "

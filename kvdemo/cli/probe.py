@@ -11,7 +11,7 @@ from pathlib import Path
 from ..engines import PREFIX, parse_kv
 from ..models import embedded_gguf
 from ..needle import parse_numbers
-from ..probe import parse_endpoint, questions, run_probe
+from ..probe import parse_endpoint, questions, resolve_template, run_probe
 from ..probe.local import in_process_checks, start_servers
 from ..results.needle import difference_line
 from ..results.probe import (
@@ -35,6 +35,8 @@ def run_cli(args) -> ProbeReport:
     if not args.endpoint and not local:
         raise ValueError("give at least one --endpoint NAME=BASE_URL,MODEL[,KEY_ENV] (or --llamacpp TYPES)")
     endpoints = [parse_endpoint(e) for e in args.endpoint]
+    if args.logprobs == "echo":
+        resolve_template(args.echo_template)  # a bad template fails before any server starts
     lengths = parse_numbers(args.lengths, "--lengths", int)
     depths = parse_numbers(args.depths, "--depths", float)
     document, name = None, "document"
@@ -79,6 +81,8 @@ def _probe(args, endpoints, lengths, depths, document, name) -> ProbeReport:
         retries=args.retries,
         backoff_s=args.backoff_s,
         max_tokens=args.max_tokens,
+        logprobs=args.logprobs,
+        echo_template=args.echo_template,
     )
     seen: list = []
     show = printer()
@@ -123,11 +127,16 @@ def _command(args) -> str:
             parts.append(f"{flag} {shlex.quote(value)}")
     parts += [f"--seed {args.seed}", f"--repeats {args.repeats}", f"--concurrency {args.concurrency}"]
     parts += [f"--max-tokens {args.max_tokens}", f"--timeout-s {args.timeout_s:g}", f"--retries {args.retries}"]
+    if args.logprobs != "chat":  # the default is left off, so commands recorded before the option read the same
+        parts.append(f"--logprobs {args.logprobs}")
+    if args.logprobs == "echo":
+        parts.append(f"--echo-template {shlex.quote(args.echo_template)}")
     return " ".join(parts)
 
 
 def format_text(report: ProbeReport) -> str:
-    lines = [f"probe: {report.kind}, {len(report.cells)} of {report.planned_cells} cells ({report.stopped})"]
+    lines = [f"probe: {report.kind}, {len(report.cells)} of {report.planned_cells} cells ({report.stopped}), answer "
+             f"log-probs: {report.settings.get('logprobs', 'chat')}"]  # fmt: skip
     lines += [f"  {e['name']}: {e['base_url']} model {e['model']}" for e in report.endpoints]
     lines += [rate_line(r) for r in found_rates(report.cells)]
     lines += ["", "by length:"] + [rate_line(r) for r in found_rates(report.cells, "length")]

@@ -1,10 +1,16 @@
-"""Needle in a haystack: heatmaps and difference maps of a `NeedleGrid` (kvdemo/results/needle.py)."""
+"""Needle in a haystack: heatmaps and difference maps of a `NeedleGrid` (kvdemo/results/needle.py).
+
+Each row is read against its own engine's full row (`engines.baseline_of`): kvdemo's precisions against
+"full", llama.cpp's cache types against "llama.cpp:f16" (the engines' kernels differ, so only each engine's cost
+compares): the difference map draws each against its own, a heatmap marks where its own full row missed, and
+the log-prob figure draws llama.cpp's lines dashed beside kvdemo's."""
 
 import math
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..engines import baseline_of, is_llamacpp
 from ..results.needle import NeedleGrid, NeedleRow, cell_key
 from . import set_title
 
@@ -120,13 +126,12 @@ def needle_heatmap_figure(grid: NeedleGrid, value: str = "correct") -> go.Figure
     rows, precisions, lengths, depths = _needle_rows(grid)
     fig = _needle_panels(precisions, f"Needle in a haystack: {_NEEDLE_VALUES.get(value, value)} by depth and length")
     bounded = value in ("correct", "answer_prob")
-    missed = full_missed_cells(rows)
     for i, label in enumerate(precisions, start=1):
         _needle_panel(
             fig,
             i,
             _needle_grid(rows, label, lengths, depths, value),
-            _needle_texts(rows, label, lengths, depths, missed),
+            _needle_texts(rows, label, lengths, depths, full_missed_cells(rows, baseline_of(label))),
             lengths,
             depths,
             colorscale=_NEEDLE_SCALE if bounded else "Viridis",
@@ -138,26 +143,37 @@ def needle_heatmap_figure(grid: NeedleGrid, value: str = "correct") -> go.Figure
     return fig
 
 
+def compared(grid: NeedleGrid, baseline: str = "full") -> dict[str, str]:
+    """The difference map's panels: each row's label -> the label it is read against. `baseline` "full": each
+    against its own engine's full row (llama.cpp's against llama.cpp:f16), where the grid has it; any other name
+    (an API probe's endpoint): every other row against that one."""
+    precisions = _needle_rows(grid)[1]
+    own = {p: baseline_of(p) if baseline == "full" else baseline for p in precisions}
+    return {p: b for p, b in own.items() if p != b and b in precisions}
+
+
 def needle_difference_figure(grid: NeedleGrid, baseline: str = "full", value: str = "answer_logprob") -> go.Figure:
-    """Each quantized precision minus `baseline` on the same runs: log-prob change (default), change in
-    p(true answer), or correct (-1: lost, +1: gained), each the mean over a cell's runs (same seed against same
+    """Each quantized precision minus its baseline (`compared`) on the same runs: log-prob change (default), change
+    in p(true answer), or correct (-1: lost, +1: gained), each the mean over a cell's runs (same seed against same
     seed) with repeats. Diverging colours centred on 0, one scale for all panels."""
     rows, precisions, lengths, depths = _needle_rows(grid)
     if baseline not in precisions:
         raise ValueError(f"no {baseline!r} rows to compare with; have: {', '.join(precisions)}")
-    others = [p for p in precisions if p != baseline]
-    fig = _needle_panels(others, f"Needle: {_NEEDLE_VALUES.get(value, value)}, change vs {baseline}")
-    base = {cell_key(r): _needle_value(r, value) for r in rows if r.precision == baseline}
+    pairs = compared(grid, baseline)
+    both = any(is_llamacpp(p) for p in pairs) and any(not is_llamacpp(p) for p in pairs)
+    against = "each engine's full row (llama.cpp's: llama.cpp:f16)" if both else next(iter(pairs.values()), baseline)
+    fig = _needle_panels(list(pairs), f"Needle: {_NEEDLE_VALUES.get(value, value)}, change vs {against}")
+    values = {(r.precision, cell_key(r)): _needle_value(r, value) for r in rows}
     diffs = {}
-    for label in others:
+    for label, base in pairs.items():
         changes: dict[tuple[int, float], list[float]] = {}
         for r in rows:
-            if r.precision == label and cell_key(r) in base:
-                changes.setdefault((r.length, r.depth), []).append(_needle_value(r, value) - base[cell_key(r)])
+            if r.precision == label and (base, cell_key(r)) in values:
+                changes.setdefault((r.length, r.depth), []).append(_needle_value(r, value) - values[base, cell_key(r)])
         diffs[label] = [[sum(c) / len(c) if (c := changes.get((n, d))) else None for n in lengths] for d in depths]
     span = max([abs(v) for d in diffs.values() for r in d for v in r if v is not None] + [1e-3])
-    missed = full_missed_cells(rows, baseline)
     for i, (label, diff) in enumerate(diffs.items(), start=1):
+        missed = full_missed_cells(rows, pairs[label])
         _needle_panel(
             fig,
             i,
@@ -174,8 +190,8 @@ def needle_difference_figure(grid: NeedleGrid, baseline: str = "full", value: st
             colorscale="RdBu",
             zmin=-span,
             zmax=span,  # one scale for every panel
-            showscale=i == len(others),
-            hovertemplate=label + f" - {baseline}: " + "%{x} tokens, depth %{y}: %{text}<extra></extra>",
+            showscale=i == len(pairs),
+            hovertemplate=label + f" - {pairs[label]}: " + "%{x} tokens, depth %{y}: %{text}<extra></extra>",
         )
     return fig
 
@@ -199,6 +215,7 @@ def needle_logprob_figure(grid: NeedleGrid) -> go.Figure:
                 y=means,
                 mode="lines+markers",
                 name=label,
+                line={"dash": "dash"} if is_llamacpp(label) else None,  # another engine: read against its own f16
                 error_y={"type": "data", "array": hi, "arrayminus": lo, "visible": True, "thickness": 1},
                 hovertemplate="%{x} tokens: mean log p %{y:.3f}<extra>" + label + "</extra>",
             )
@@ -218,7 +235,7 @@ def needle_figures(grid: NeedleGrid) -> list[go.Figure]:
     """The needle page's figures: pass/fail heatmap, log-prob change vs full, log-prob vs length."""
     precisions = _needle_rows(grid)[1]
     figs = [needle_heatmap_figure(grid)]
-    if "full" in precisions and len(precisions) > 1:
+    if "full" in precisions and compared(grid):
         figs.append(needle_difference_figure(grid))
     figs.append(needle_logprob_figure(grid))
     return figs

@@ -280,6 +280,32 @@ def _split(precisions: Sequence[PrecisionSpec | str] | str) -> tuple[list, list[
     return ours, theirs
 
 
+def contender_labels(precisions: Sequence[PrecisionSpec | str] | str) -> list[str]:
+    """The rows' labels a grid of `precisions` has: kvdemo's precisions with full first (`specs_with_full`), then
+    llama.cpp's contenders with its f16 row first whenever any is given (their baseline, as the CLI adds it)."""
+    return [s.label for s in specs_with_full(precisions)] + [kv.label for kv in _split(precisions)[1]]
+
+
+LLAMACPP_FAILED = "llama.cpp failed"  # how a grid's note about a llama.cpp engine that failed mid-grid begins
+LLAMACPP_INSTALL = (
+    "llama.cpp rows need its Python binding, llama-cpp-python: `make llamacpp` builds it (PyPI has it as source "
+    "only: cmake and a C++ compiler, several minutes on 2 cores)"
+)
+
+
+def llamacpp_choices(lm: LoadedModel) -> tuple[list[str], str | None]:
+    """(the llama.cpp contenders a grid on `lm` can have: every quantized cache type as ``llama.cpp:<type>``,
+    why not when none: the binding is not installed, or the model was not loaded from a GGUF file, which
+    llama.cpp runs). llama.cpp's f16 row is not among them: it comes with any of them (`contender_labels`)."""
+    if llamacpp.available() is not None:
+        return [], LLAMACPP_INSTALL
+    try:
+        llamacpp.gguf_path(lm)
+    except engines.LlamaCppError as err:
+        return [], str(err)
+    return [engines.PREFIX + name for name in engines.CACHE_TYPES if name != engines.FULL], None
+
+
 def specs_with_full(precisions: Sequence[PrecisionSpec | str] | str) -> list[PrecisionSpec]:
     """The grid's precisions, duplicates dropped, with full precision first when none is given: it is always a
     row (the baseline every quantized run is read against)."""
@@ -380,7 +406,8 @@ def run_grid(
     depths = [float(d) for d in depths]
     check_grid(lm, lengths, depths, repeats, kind, needle, question, answer, seed, num_keys, max_new_tokens)
     name, hay, joiner = choose_haystack(kind, document, document_name)
-    track = Tracker(work_tokens(lengths, depths, specs, repeats), "tokens", on_progress, should_stop)
+    labels = [s.label for s in specs] + [kv.label for kv in others]
+    track = Tracker(work_tokens(lengths, depths, labels, repeats), "tokens", on_progress, should_stop)
     rows: list[NeedleRow] = []
     notes: list[str] = []
     t0 = time.perf_counter()
@@ -393,7 +420,17 @@ def run_grid(
         if prompt.haystack_copies > 1 and name != "filler":
             note = f"the {name} is shorter than {length} tokens: it was repeated to fill the haystack"
             notes += [note] if note not in notes else []
-        rows += run_cell(lm, task, prompt, specs, track, prefill_mode, codebooks, run_seed, others)
+        rows += run_cell(lm, task, prompt, specs, track, prefill_mode, codebooks, run_seed)
+        try:
+            for kv in others:
+                rows.append(_llamacpp_row(lm, kv, task, prompt, track, rows[-1].prefill_s, run_seed))
+        except Cancelled:
+            raise
+        except Exception as err:  # the engine failed (its library, a file, memory): kvdemo's rows go on without it
+            where = f"{length:,} tokens, depth {depth:g}%, seed {run_seed}"
+            notes.append(f"{LLAMACPP_FAILED} at {where}: {type(err).__name__}: {err}; the grid has no llama.cpp rows "
+                         "from there on (kvdemo's rows are complete)")  # fmt: skip
+            others = []
     return NeedleGrid(
         model=lm.name,
         kind=kind,
@@ -401,7 +438,7 @@ def run_grid(
         seed=seed,
         lengths=lengths,
         depths=depths,
-        precisions=[s.label for s in specs] + [kv.label for kv in others],
+        precisions=labels,
         rows=rows,
         seconds=time.perf_counter() - t0,
         notes=notes,

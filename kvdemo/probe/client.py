@@ -1,6 +1,7 @@
 """An OpenAI-compatible chat-completions client on the standard library (urllib), bounded and polite.
 
-One `Client` per endpoint: `chat(messages, max_tokens)` POSTs to ``{base_url}/chat/completions`` with a
+One `Client` per endpoint: `chat(messages, max_tokens)` POSTs to ``{base_url}/chat/completions`` (and
+`complete(body)` to the legacy ``{base_url}/completions``, for the answer's log-prob by echo) with a
 per-request timeout, retries 429, 5xx, timeouts and dropped connections with exponential backoff (a 429's or
 503's ``Retry-After`` is honoured, capped), and turns every failure into a `ProbeError` whose `kind` and one-line
 message say what went wrong: the endpoint is unreachable, refused the key, does not serve the model, found the
@@ -54,11 +55,12 @@ _MODEL_WORDS = re.compile(r"model.{0,80}(not (found|exist|served|available|loade
 
 
 class ProbeError(ValueError):
-    """A request that failed for good; `kind` (one of the constants above) and a one-line message."""
+    """A request that failed for good; `kind` (one of the constants above), a one-line message, and the HTTP
+    status of the answer that ended it (None: no answer, or a 200 without the fields expected)."""
 
-    def __init__(self, kind: str, message: str, attempts: int = 1):
+    def __init__(self, kind: str, message: str, attempts: int = 1, status: int | None = None):
         super().__init__(message)
-        self.kind, self.attempts = kind, attempts
+        self.kind, self.attempts, self.status = kind, attempts, status
 
 
 @dataclass(frozen=True)
@@ -173,13 +175,14 @@ class Client:
     def _mask(self, text: str, key: str) -> str:
         return text.replace(key, "***") if key else text
 
-    def _post(self, body: dict, key: str) -> tuple[int, dict | None, str, dict]:
-        """(HTTP status, parsed JSON or None, body text, headers) of one POST; URLError/timeouts propagate."""
+    def _post(self, body: dict, key: str, path: str = "/chat/completions") -> tuple[int, dict | None, str, dict]:
+        """(HTTP status, parsed JSON or None, body text, headers) of one POST to `path` under the base URL;
+        URLError/timeouts propagate."""
         data = json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(self.endpoint.base_url + "/chat/completions", data, headers, method="POST")
+        req = urllib.request.Request(self.endpoint.base_url + path, data, headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 status, raw, head = resp.status, resp.read(), dict(resp.headers)
@@ -192,8 +195,10 @@ class Client:
             parsed = None
         return status, parsed if isinstance(parsed, dict) else None, text, head
 
-    def _failure(self, status: int, parsed: dict | None, text: str, key: str) -> tuple[str, str]:
-        """(kind, message) of an HTTP error answer."""
+    def _failure(
+        self, status: int, parsed: dict | None, text: str, key: str, path: str = "/chat/completions"
+    ) -> tuple[str, str]:
+        """(kind, message) of an HTTP error answer to a POST to `path`."""
         name, ep = self.endpoint.name, self.endpoint
         detail = (parsed or {}).get("error", parsed) if parsed else text
         if isinstance(detail, dict):
@@ -211,8 +216,8 @@ class Client:
             if _MODEL_WORDS.search(detail) or "model" in detail.lower():
                 return MODEL, f"{name}: the endpoint does not serve the model {ep.model!r} (HTTP {status}: {detail})"
             return UNREACHABLE, (
-                f"{name}: no chat completions at {ep.base_url}/chat/completions (HTTP 404): check the base URL "
-                "(it usually ends in /v1)"
+                f"{name}: no {path.strip('/').replace('/', ' ')} at {ep.base_url}{path} (HTTP 404): "
+                "check the base URL (it usually ends in /v1)"
             )
         if status == 429:
             return RATE_LIMITED, f"{name}: rate limited (HTTP 429) after every retry: lower --concurrency"
@@ -263,22 +268,28 @@ class Client:
             seconds = None
         self.sleep(seconds if seconds is not None else self.backoff_s * 2 ** (attempt - 1))
 
-    def chat(self, messages: list[dict], max_tokens: int, stop: Callable[[], bool] | None = None) -> Reply:
-        """One chat completion (temperature 0), retried on 429, 5xx, timeouts and dropped connections;
-        `ProbeError` when it fails for good. `stop`: polled before each retry (a cancelled run sends no more)."""
+    def _request(
+        self,
+        path: str,
+        body: Callable[[], dict],
+        stop: Callable[[], bool] | None,
+        relax: Callable[[str], bool] | None = None,
+    ) -> tuple[dict | None, str, float, int, str]:
+        """POST `body()` to `path`, retried on 429, 5xx, timeouts and dropped connections: (parsed JSON or None,
+        body text, seconds, attempts, key) of the 200 answer; `ProbeError` when it fails for good. `relax(text)`,
+        given a 400's body, may drop a field the endpoint refused and say so (True): the request is sent again at
+        once, not counted as a retry. `stop`: polled before each retry (a cancelled run sends no more)."""
         key = self.endpoint.key()
         name = self.endpoint.name
         attempt = 0
         while True:
             attempt += 1
-            body = {"model": self.endpoint.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
-            if self.logprobs:  # top_logprobs 0: the sampled tokens' log-probs only (llama.cpp's server needs it)
-                body |= {"logprobs": True, "top_logprobs": 0}
             t0 = time.perf_counter()
             headers: dict = {}
             retryable = True  # timeouts, dropped or refused connections, 429 and 5xx are tried again
+            status = None
             try:
-                status, parsed, text, headers = self._post(body, key)
+                status, parsed, text, headers = self._post(body(), key, path)
             except TimeoutError:
                 kind, message = TIMEOUT, f"{name}: no answer within {self.timeout_s:g} s"
             except urllib.error.URLError as err:
@@ -294,14 +305,46 @@ class Client:
                 raise ProbeError(REQUEST, f"{name}: the request failed ({detail})", attempt) from None
             else:
                 if status == 200:
-                    return self._reply(parsed, text, time.perf_counter() - t0, attempt, key)
-                if status == 400 and self.logprobs and "logprob" in text.lower():
-                    with self._lock:
-                        self.logprobs = False  # the endpoint does not take the field: ask without it
+                    return parsed, text, time.perf_counter() - t0, attempt, key
+                if status == 400 and relax is not None and relax(text):
                     attempt -= 1
                     continue
-                kind, message = self._failure(status, parsed, text, key)
+                kind, message = self._failure(status, parsed, text, key, path)
                 retryable = status == 429 or status >= 500
             if not retryable or attempt > self.retries or (stop is not None and stop()):
-                raise ProbeError(kind, message + (f" ({attempt} attempts)" if attempt > 1 else ""), attempt)
+                suffix = f" ({attempt} attempts)" if attempt > 1 else ""
+                raise ProbeError(kind, message + suffix, attempt, status)
             self._wait(attempt, headers)
+
+    def chat(self, messages: list[dict], max_tokens: int, stop: Callable[[], bool] | None = None) -> Reply:
+        """One chat completion (temperature 0), retried on 429, 5xx, timeouts and dropped connections;
+        `ProbeError` when it fails for good. `stop`: polled before each retry (a cancelled run sends no more).
+        Chat log-probs are asked for while `self.logprobs` holds; an endpoint that refuses the field (a 400 naming
+        it) is asked again without it, and is not asked for it again."""
+
+        def body() -> dict:
+            out = {"model": self.endpoint.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+            if self.logprobs:  # top_logprobs 0: the sampled tokens' log-probs only (llama.cpp's server needs it)
+                out |= {"logprobs": True, "top_logprobs": 0}
+            return out
+
+        def relax(text: str) -> bool:
+            if not (self.logprobs and "logprob" in text.lower()):
+                return False
+            with self._lock:
+                self.logprobs = False  # the endpoint does not take the field: ask without it
+            return True
+
+        parsed, text, latency, attempts, key = self._request("/chat/completions", body, stop, relax)
+        return self._reply(parsed, text, latency, attempts, key)
+
+    def complete(self, body: dict, stop: Callable[[], bool] | None = None) -> dict:
+        """One legacy completion (``POST {base_url}/completions``) of `body` (the model is set here), retried as
+        `chat` is; its parsed JSON, or `ProbeError` (MALFORMED for an answer that is not JSON)."""
+        parsed, text, _, attempts, key = self._request(
+            "/completions", lambda: body | {"model": self.endpoint.model}, stop
+        )
+        if parsed is None:
+            snippet = self._mask(" ".join(text.split()), key)[:80]
+            raise ProbeError(MALFORMED, f"{self.endpoint.name}: the answer is not JSON ({snippet!r})", attempts, 200)
+        return parsed

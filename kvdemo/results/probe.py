@@ -35,20 +35,32 @@ class ProbeCell:
     latency_s: float | None = None  # the successful request's seconds
     prompt_tokens: int | None = None  # `usage.prompt_tokens`: the tokens the endpoint counted (billed)
     completion_tokens: int | None = None  # `usage.completion_tokens`
-    answer_logprob: float | None = None  # summed log-prob of the reply's tokens that spell the answer, when found
+    answer_logprob: float | None = None  # the answer's summed log-prob, read as `logprob_source` says
     reply_logprob: float | None = None  # summed log-prob of the whole reply (None: no log-probs returned)
     estimated_tokens: int = 0  # the prompt's length by the probe's estimate
     depth_actual: float = 0.0  # the needle's depth on the estimated tokens, percent
     attempts: int = 0  # requests made (retries included; 0: not sent)
     error: str = ""  # one line: what failed
     error_kind: str = ""  # kvdemo.probe.client's kinds: "context too long", "wrong key", ...
+    # where `answer_logprob` was read: "chat" (the reply's tokens that spell the answer: found cells only), "echo"
+    # (the true answer teacher-forced after the prompt, echoed by the completions API: hit or miss), "" (none; and
+    # in reports written before the echo path, whose log-probs are chat's: the field is left out of the JSON then)
+    logprob_source: str = ""
 
     @property
     def answered(self) -> bool:
         return self.found is not None
 
+    @property
+    def has_logprobs(self) -> bool:
+        """Log-probs came back for this cell: the reply's (chat) or the echoed prompt's."""
+        return self.reply_logprob is not None or self.answer_logprob is not None
+
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["logprob_source"]:
+            del d["logprob_source"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> ProbeCell:
@@ -134,7 +146,8 @@ BY = ("all", "length", "depth")
 def found_rates(cells: Sequence[ProbeCell], by: str = "all") -> list[dict]:
     """Per endpoint (and per length or depth with `by`): cells, answered, found, the found rate over the answered
     cells with its 95% Wilson interval (None when none answered), failed cells, mean latency, the answered cells
-    that came with log-probs and the mean answer log-prob of the found ones, tokens sent (`usage.prompt_tokens`
+    that came with log-probs and the mean answer log-prob of those that have one (by chat: the found ones; by
+    echo: every answered cell the endpoint scored), tokens sent (`usage.prompt_tokens`
     summed) and completion tokens, as the endpoint reported them."""
     if by not in BY:
         raise ValueError(f"unknown grouping {by!r}; allowed: {', '.join(BY)}")
@@ -148,7 +161,7 @@ def found_rates(cells: Sequence[ProbeCell], by: str = "all") -> list[dict]:
         found = sum(bool(c.found) for c in answered)
         low, high = wilson_interval(found, len(answered)) if answered else (None, None)
         latencies = [c.latency_s for c in answered if c.latency_s is not None]
-        scored = [c.answer_logprob for c in answered if c.answer_logprob is not None]  # found, with log-probs
+        scored = [c.answer_logprob for c in answered if c.answer_logprob is not None]  # chat: found ones; echo: all
         row = {"endpoint": key[0]} | ({} if by == "all" else {by: key[1]})
         out.append(
             row
@@ -161,7 +174,7 @@ def found_rates(cells: Sequence[ProbeCell], by: str = "all") -> list[dict]:
                 "high": None if high is None else round(high, 4),
                 "failed": len(mine) - len(answered),
                 "mean_latency_s": round(sum(latencies) / len(latencies), 3) if latencies else None,
-                "with_logprobs": sum(c.reply_logprob is not None for c in answered),  # the rest came without
+                "with_logprobs": sum(c.has_logprobs for c in answered),  # the rest came without
                 "mean_answer_logprob": round(sum(scored) / len(scored), 4) if scored else None,
                 "prompt_tokens": sum(c.prompt_tokens or 0 for c in mine),
                 "completion_tokens": sum(c.completion_tokens or 0 for c in mine),
