@@ -284,6 +284,18 @@ def quantize_method_variants(quick: bool) -> list[dict]:
     return rows
 
 
+def unit_strides(consts: dict) -> dict:
+    """The decode kernel's token strides that are 1 in a real cache, as constexprs: the JIT turns an integer
+    argument equal to 1 into the constant 1, so a variant whose metadata has one group per token (values with
+    V_GROUP == D, per-token keys with K_GROUP == D: rows of one element) runs with these strides known."""
+    ones = {}
+    if consts["V_GROUP"] == consts["D"]:
+        ones |= {"svs_t": 1, "svz_t": 1}
+    if not consts["K_CHANNEL"] and consts["K_GROUP"] == consts["D"]:
+        ones |= {"sks_t": 1, "skz_t": 1}
+    return ones
+
+
 def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     """Format pairs x key axis x head_dim x query rows: decode's 16 rows (GQA up to 16) and the most rows
     `supports_attention` lets through for the head_dim (the tile that needs the most registers)."""
@@ -317,6 +329,7 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                             PrecisionSpec(kf, vf, key_axis, 128 if key_axis == "channel" else group), head_dim
                         ),
                     }
+                    consts |= unit_strides(consts)
                     rows.append(
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
                         | {"block_m": block_m, "num_warps": warps, "consts": consts}
@@ -378,6 +391,7 @@ def method_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                 "V_CODE": vcode,
                 "K_ROPE": head_dim if rope else 0,
             } | extra
+            consts |= unit_strides(consts)
             fmt = f"k:{kf} v:{vf}" + (f" {label}" if label else "")
             rows.append(
                 {"kernel": "decode", "format": fmt, "axis": key_axis, "head_dim": head_dim, "method": True}

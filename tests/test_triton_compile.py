@@ -148,30 +148,36 @@ def test_decode_loop_relative_to_int4(sm90):
 
 
 # The budgets a memory-bound decode loop needs at the goal point (`compile_sm90.goal_budgets`) that the plain int4
-# and int8 loops meet, with triton 3.9 and 3.6 alike; the others (no plain global load in the loop, at most 4
-# barriers per tile, int4's issue floor at or below its memory floor) are reported, not met (docs/kernels.md).
+# and int8 loops meet, per triton version (int8's 12 warps per SM: 3.9 only, 3.6's int8 loop takes 181 registers);
+# the others (no plain global load in the loop, at most 4 barriers per tile, int4's issue floor at or below its
+# memory floor) are reported, not met (docs/kernels.md). A version without a report is held to what both meet.
 GOAL_BUDGETS_MET = {
-    "k:int4 v:int4": {"at least 12 warps per SM"},
-    "k:int8 v:int8": {"at least 12 warps per SM", "issue floor at or below the memory floor"},
+    "3.9": {
+        "k:int4 v:int4": {"at least 12 warps per SM"},
+        "k:int8 v:int8": {"at least 12 warps per SM", "issue floor at or below the memory floor"},
+    },
+    "3.6": {
+        "k:int4 v:int4": {"at least 12 warps per SM"},
+        "k:int8 v:int8": {"issue floor at or below the memory floor"},
+    },
 }
 
 
-def goal_budget_misses(rows: list[dict]) -> list[str]:
-    """Budgets in GOAL_BUDGETS_MET that a goal-point row of `rows` does not meet (or rows missing)."""
+def goal_budget_misses(rows: list[dict], version: str) -> list[str]:
+    """Budgets in GOAL_BUDGETS_MET for `version` that a goal-point row of `rows` does not meet (or rows missing)."""
+    met = GOAL_BUDGETS_MET.get(version) or {
+        fmt: set.intersection(*(v[fmt] for v in GOAL_BUDGETS_MET.values())) for fmt in GOAL_BUDGETS_MET["3.9"]
+    }
     goal = {r["format"]: _compile_sm90().goal_budgets(r) for r in rows if "goal_floors" in r}
-    misses = [f"{fmt}: no goal-point row" for fmt in GOAL_BUDGETS_MET if fmt not in goal]
+    misses = [f"{fmt}: no goal-point row" for fmt in met if fmt not in goal]
     return misses + [
-        f"{fmt}: {name}"
-        for fmt, names in GOAL_BUDGETS_MET.items()
-        if fmt in goal
-        for name in names
-        if not goal[fmt][name]
+        f"{fmt}: {name}" for fmt, names in met.items() if fmt in goal for name in names if not goal[fmt][name]
     ]
 
 
 def test_goal_point_budgets(sm90):
     """The plain int4 and int8 decode loops, compiled here: the goal-point budgets they meet stay met."""
-    assert not goal_budget_misses(sm90["rows"])
+    assert not goal_budget_misses(sm90["rows"], _minor(sm90["triton"]))
 
 
 def test_goal_point_budgets_in_the_shipped_reports():
@@ -179,9 +185,9 @@ def test_goal_point_budgets_in_the_shipped_reports():
     not blind: a loop that needs 3 blocks of registers less fails it."""
     for version, name in REPORTS.items():
         rows = _report(name)["rows"]
-        assert not goal_budget_misses(rows), version
+        assert not goal_budget_misses(rows, version), version
     int4 = next(r for r in rows if r.get("format") == "k:int4 v:int4" and "goal_floors" in r)
-    assert goal_budget_misses([r for r in rows if r is not int4] + [int4 | {"warps_per_sm": 8}])
+    assert goal_budget_misses([r for r in rows if r is not int4] + [int4 | {"warps_per_sm": 8}], version)
 
 
 def test_budgets_catch_a_regression_not_another_version():
