@@ -190,16 +190,15 @@ def compile_one(
     half: str = "fp16",
     pointers: dict | None = None,
     fp_fusion: bool = True,
+    maxnreg: int | None = None,
 ) -> dict:
-    """Compile one variant for sm_<arch>; its compile time, shared memory, registers and spills."""
+    """Compile one variant for sm_<arch>; its compile time, shared memory, registers and spills. maxnreg: the
+    register cap `past_attention` launches the variant with (`launch.max_registers`)."""
     sig, attrs, constexprs = signature(fn, constexprs, half, pointers)
     started = time.perf_counter()
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(
-        src,
-        target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion},
-    )
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion}
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options | {"maxnreg": maxnreg})
     row = {"compile_s": round(time.perf_counter() - started, 2), "shared_bytes": kernel.metadata.shared}
     row |= resources(kernel.asm["cubin"]) | global_loads(kernel.asm["ptx"])
     row["warps_per_sm"] = warps_per_sm(row["registers"], row["shared_bytes"], num_warps)
@@ -330,9 +329,11 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                         ),
                     }
                     consts |= unit_strides(consts)
+                    spec = PrecisionSpec(kf, vf, key_axis, 128 if key_axis == "channel" else group)
                     rows.append(
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
                         | {"block_m": block_m, "num_warps": warps, "consts": consts}
+                        | {"maxnreg": launch.max_registers(spec, head_dim)}
                     )
     for half in ("bf16", "fp32"):
         rows.append(rows[0] | {"half": half, "format": rows[0]["format"] + f" ({half} query and residual)"})
@@ -497,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                 half=row.get("half", "fp16"),
                 pointers=row.get("pointers"),
                 fp_fusion=row.get("fp_fusion", True),
+                maxnreg=row.get("maxnreg"),
             )
         except Exception as err:  # noqa: BLE001 - every failure is reported, then the exit code says so
             lines = str(err).strip().splitlines() or [""]

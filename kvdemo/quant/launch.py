@@ -10,7 +10,8 @@
   rows, compute capability and `method_kind`), `fold_once`, the splits of the sequence (`splits_for`,
   PROGRAMS_PER_SM), NUM_STAGES; `ptx_unpacking` says whether the kernel unpacks codes with its PTX blocks.
 - `decode_constants(spec, ...)`: the kernel's format constexprs, among them `plane_split` (which decode loop the
-  spec's codes take: the plane-split loop of 8- and 4-bit integer codes, or the first loop).
+  spec's codes take: the plane-split loop of 8- and 4-bit integer codes, or the first loop); `max_registers`,
+  the register cap some of them are compiled with.
 The limits sit where sm_90 code would spill registers: `bench/compile_sm90.py` compiles every variant on
 a CPU and shows them.
 """
@@ -132,6 +133,16 @@ def plane_split(spec, head_dim: int) -> bool:
         and spec.value_group(head_dim) == head_dim
         and head_dim >= 32
     )
+
+
+MAX_REGISTERS = 168  # per thread: 3 blocks of 4 warps per SM (65,536 registers), 12 warps to hide latency
+
+
+def max_registers(spec, head_dim: int) -> int | None:
+    """The register cap the decode kernel is compiled with (`maxnreg`), or None: plane-split variants with 8-bit
+    values (one value plane of head_dim channels) take MAX_REGISTERS; uncapped, triton 3.6 gives int8 181
+    registers (2 blocks, 8 warps per SM), and the cap costs no spills (`bench/compile_sm90.py`)."""
+    return MAX_REGISTERS if plane_split(spec, head_dim) and spec.value.bits == 8 else None
 
 
 def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:
