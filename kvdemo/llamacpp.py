@@ -7,7 +7,7 @@ row is read against it, never against kvdemo's full row, since the two engines' 
 the GGUF's Q4_1 weights as they are; transformers dequantizes them).
 
 `Engine` is one llama.cpp context (flash attention on: llama.cpp needs it for a quantized V) that feeds tokens
-and returns every position's logits. How the protocols line up with kvdemo's:
+and returns the logits of the positions a caller asks for (llama.cpp computes only those). How the protocols line up with kvdemo's:
 
 - perplexity (`score_text`): the text's first `prefix` tokens go through llama.cpp's own prefill, the rest are
   fed `chunk` tokens at a time, so every scored token attends over the cache as llama.cpp stored it. Unlike
@@ -107,8 +107,13 @@ def _quiet_stderr() -> Iterator[None]:
 class Engine:
     """One llama.cpp context over `path` with the cache types of `kv`, holding up to `n_ctx` tokens.
 
-    `feed(ids)` appends tokens and returns their logits; `keep(n)` drops every token after the first n (the
-    next feed starts there). Threads: `threads` (default: torch's, as kvdemo's rows use)."""
+    `feed(ids, last=k)` appends tokens and returns the logits of the last k of them; `keep(n)` drops every token
+    after the first n (the next feed starts there). Threads: `threads` (default: torch's, as kvdemo's rows use).
+
+    `feed` drives llama.cpp's batch itself, flagging only the tokens whose logits the caller asked for: llama.cpp
+    then runs its last layer's feed-forward and the output matmul on those rows alone and copies out only those
+    (a needle prompt of 4,096 tokens needs one row, not 4,096 x 49,152 floats). The binding's own `Llama.eval` (the
+    chat path, `chat_reply`) still computes every row, as llama.cpp's server does (`logits_all`)."""
 
     def __init__(self, path: Path | str, kv: KvTypes, n_ctx: int, threads: int | None = None, batch: int = 512):
         import torch
@@ -128,12 +133,14 @@ class Engine:
                 type_k=CACHE_TYPES[kv.key].ggml_type,
                 type_v=CACHE_TYPES[kv.value].ggml_type,
                 flash_attn=True,
-                logits_all=True,
+                logits_all=True,  # the server's setting, for `chat_reply`; `feed` flags its own rows
                 n_threads=threads,
                 n_threads_batch=threads,
                 verbose=False,
             )
         self.n_ctx = self.llm.n_ctx()
+        self.batch = self.llm.n_batch
+        self.n_vocab = self.llm.n_vocab()
         meta = self.llm.metadata
         arch = meta.get("general.architecture", "llama")
         self.n_layers = int(meta[f"{arch}.block_count"])
@@ -150,20 +157,47 @@ class Engine:
         """Forget every token after the first `n` (llama.cpp drops their cache cells at the next feed)."""
         self.llm.n_tokens = n
 
-    def feed(self, ids: Sequence[int], chunk: int | None = None) -> torch.Tensor:
-        """Append `ids` in calls of `chunk` tokens (None: one call, split at the batch size by llama.cpp's
-        binding); logits [len(ids), V] float32, row i predicting the token after ids[i]."""
+    def feed(self, ids: Sequence[int], chunk: int | None = None, last: int | None = None) -> torch.Tensor:
+        """Append `ids` in calls of `chunk` tokens (None: one call), each split at the batch size as the binding's
+        `Llama.eval` splits it, so the batches (and llama.cpp's numerics, which move with them) are the same
+        whatever `last` is. Logits [k, V] float32 of the last k = min(`last`, len(ids)) tokens (None: all), row i
+        predicting the token after ids[len(ids) - k + i]; only those rows are computed."""
         import numpy as np
         import torch
 
         ids = [int(t) for t in ids]
         if self.n_tokens + len(ids) > self.n_ctx:
             raise LlamaCppError(f"{self.n_tokens + len(ids)} tokens do not fit llama.cpp's context of {self.n_ctx}")
-        start = self.n_tokens
-        step = chunk or len(ids)
+        first_out = 0 if last is None else len(ids) - min(max(last, 0), len(ids))  # first index with logits
+        out = np.empty((len(ids) - first_out, self.n_vocab), dtype=np.float32)  # [k, V]
+        self.llm._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)  # cells past n_tokens (after a `keep`)
+        step = chunk or len(ids) or 1
         for s in range(0, len(ids), step):
-            self.llm.eval(ids[s : s + step])
-        return torch.from_numpy(np.array(self.llm.scores[start : start + len(ids)], dtype=np.float32))
+            end = min(s + step, len(ids))
+            for b in range(s, end, self.batch):
+                self._decode(ids[b : min(b + self.batch, end)], b - first_out, out)
+        return torch.from_numpy(out)
+
+    def _decode(self, tokens: list[int], row: int, out) -> None:
+        """One llama_decode of `tokens` after the tokens fed so far; tokens[i] has its logits copied into
+        out[row + i] when row + i >= 0."""
+        import llama_cpp
+        import numpy as np
+
+        llm, n_past = self.llm, self.llm.n_tokens
+        batch = llm._batch.batch  # the binding's llama_batch, sized n_batch
+        batch.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, n_past + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = row + i >= 0
+        llm._ctx.decode(llm._batch)
+        for i in range(max(-row, 0), len(tokens)):
+            logits = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, i)  # float* [V]
+            out[row + i] = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+        llm.input_ids[n_past : n_past + len(tokens)] = tokens
+        llm.n_tokens += len(tokens)
+        llm._requires_eval = row + len(tokens) <= 0  # the binding samples from the last token's logits if any
 
     def kv_bytes(self, tokens: int | None = None) -> int:
         """Bytes its cache holds for `tokens` tokens (default: the tokens fed so far)."""
@@ -193,7 +227,7 @@ def score_text(
 
     ids = [int(t) for t in ids]
     engine.keep(0)
-    first = engine.feed(ids[:prefix])[-1:]  # [1, V]: predicts ids[prefix]
+    first = engine.feed(ids[:prefix], last=1)  # [1, V]: predicts ids[prefix]; the prefix's other rows unused
     if on_tokens is not None:
         on_tokens(prefix)
     nll = [F.cross_entropy(first, torch.tensor([ids[prefix]]))[None]]
@@ -232,8 +266,8 @@ def needle_answer(
     import torch
 
     engine.keep(0)
-    engine.feed(list(context))
-    first = engine.feed(list(suffix))[-1]  # [V]
+    engine.feed(list(context), last=0)
+    first = engine.feed(list(suffix), last=1)[-1]  # [V]
     at_prompt = engine.n_tokens
     answer_ids = list(answer_ids)
     k = len(answer_ids)
@@ -258,6 +292,26 @@ def needle_answer(
         if t in eos:
             return logprob, reply, "eos"
         nxt = engine.feed([t])[-1]
+
+
+def answer_score(
+    engine: Engine, context: Sequence[int], question: Sequence[int], answer: Sequence[int]
+) -> tuple[float, bool]:
+    """(log-probability of `answer` after `context` + `question`, nats summed, rounded to 4 digits; whether greedy
+    decoding would say it), as the benchmark scores kvdemo's caches (`kvdemo.contest.run.answer_score`): the context
+    through llama.cpp's prefill with no logits, then question + answer[:-1] in one call, the logits of its last
+    len(answer) tokens alone."""
+    import torch
+
+    q, a = [int(t) for t in question], [int(t) for t in answer]
+    if not q or not a:
+        raise LlamaCppError("a needle cell needs a non-empty question suffix and answer")
+    engine.keep(0)
+    engine.feed(list(context), last=0)
+    logits = engine.feed(q + a[:-1], last=len(a))  # [len(a), V]: row i predicts a[i]
+    lp = torch.log_softmax(logits, -1)
+    target = torch.tensor(a)
+    return round(float(lp[torch.arange(len(a)), target].sum()), 4), bool((logits.argmax(-1) == target).all())
 
 
 # --- llama.cpp's own OpenAI-compatible server: what `kvdemo probe` measures from outside ---------------

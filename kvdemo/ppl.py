@@ -169,13 +169,22 @@ def score_caches(
             nll, kept = token_nll(lm, cache, first, text, prefix, chunk, kl_every, track, name)
         reference = kept if reference is None else reference
         kl = logit_kl(reference, kept)  # [n_kept]; zeros for the reference itself
-        ppl, kls = {}, {}
-        for n in lengths:
-            lo, hi = n // 2 - prefix, n - prefix  # scored indices of positions [N/2, N)
-            ppl[str(n)] = math.exp(float(nll[lo:hi].mean()))
-            kls[str(n)] = float(kl[-(-lo // kl_every) : -(-hi // kl_every)].mean())
+        ppl, kls = per_length(nll, kl, prefix, lengths, kl_every)
         yield name, Scored(ppl, kls, cache, nll.double().cpu(), kl.double().cpu())
         del cache, kept
+
+
+def per_length(
+    nll: torch.Tensor, kl: torch.Tensor, prefix: int, lengths: Sequence[int], kl_every: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """({"N": perplexity of positions [N/2, N)}, {"N": mean KL over the kept rows of those positions}) from the
+    NLL [n] of the positions from `prefix` on and the KL [ceil(n / kl_every)] of every `kl_every`-th of them."""
+    ppl, kls = {}, {}
+    for n in lengths:
+        lo, hi = n // 2 - prefix, n - prefix  # scored indices of positions [N/2, N)
+        ppl[str(n)] = math.exp(float(nll[lo:hi].mean()))
+        kls[str(n)] = float(kl[-(-lo // kl_every) : -(-hi // kl_every)].mean())
+    return ppl, kls
 
 
 def run_ppl(

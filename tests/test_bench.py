@@ -244,6 +244,41 @@ def test_key_vs_value_ratios():
     assert bench.key_vs_value(_report(keys)) is None
 
 
+def test_llamacpp_rows_name_their_engine_and_baseline_and_old_rows_write_back_unchanged():
+    """A row's engine and baseline are written only when not the defaults (transformers, full), so a report from
+    before llama.cpp rows writes back as it was; with llama.cpp rows the table reads each against its baseline
+    and the figures hatch them."""
+    from kvdemo.figures.bench import bench_figures
+
+    old = _contender("kvdemo-int4")
+    assert not {"engine", "baseline", "load_s"} & set(old.to_json())
+    assert ContenderResult.from_json(old.to_json()) == old
+    rows = []
+    for name in ("full", "llama.cpp:f16", "llama.cpp:q4_0"):
+        r = _contender(name)
+        r.ratio_vs_fp16 = r.ratio_allocated_vs_fp16 = {"4096": 1.0}
+        r.ppl, r.prefill_s, r.decode_window = {"4096": 20.0}, {"4096": 1.0}, {}
+        r.needle = NeedleSummary.of([bench.NeedleCell(4096, 50, 50.0, -0.1, True)])
+        if name != "full":
+            r.engine, r.baseline, r.load_s = "llama.cpp", "llama.cpp:f16", 0.2
+        rows.append(r)
+    assert rows[2].to_json()["baseline"] == "llama.cpp:f16" and ContenderResult.from_json(rows[2].to_json()) == rows[2]
+    sizes = BenchSizes(contexts=(4096,), ppl_lengths=(4096,))
+    report = BenchReport(
+        {"cpu": "x", "cores": 2, "torch_threads": 2, "device": "cpu", "dtype": "float32", "torch": "t",
+         "transformers": "t", "optimum-quanto": None, "hqq": None, "date": "d", "load_avg_start": [0.1],
+         "load_avg_end": [0.1]}, "m", False, "custom", sizes, {}, rows, [], 0.0,
+        engine={"engine": "llama-cpp-python 0", "gguf": "m.gguf", "flags": "flash attention on"},
+    )  # fmt: skip
+    table = bench.markdown_table(report)
+    assert table.startswith("| contender | read against | ratio vs fp16 @4096 |")
+    assert "| `full` |  |" in table and "| `llama.cpp:f16` |  |" in table
+    assert "| `llama.cpp:q4_0` | `llama.cpp:f16` |" in table and "llama.cpp rows: llama-cpp-python 0 on m.gguf" in table
+    assert BenchReport.from_json(report.to_json()).to_json() == report.to_json()
+    memory = bench_figures(report)[0]
+    assert list(memory.data[0].marker.pattern.shape) == ["", "/", "/"] and "llama.cpp" in memory.layout.title.text
+
+
 # --- with the model ------------------------------------------------------------------------------
 
 

@@ -123,6 +123,24 @@ def test_bench_table_is_the_reports_table():
     _has_table(_page("benchmark.md"), table.split("\n\n")[0], report["machine"]["date"])
 
 
+def test_bench_llamacpp_table_is_the_reports_table():
+    """docs/benchmark.md's run with llama.cpp's rows: the table of assets/reports/bench_llamacpp.json as
+    `markdown_table` prints it, under the text naming its date and command."""
+    report = _report("bench_llamacpp.json")
+    table = bench.markdown_table(BenchReport.from_json(report))
+    page = _page("benchmark.md")
+    _has_table(page, table.split("\n\n")[0], report["machine"]["date"])
+    assert "--precision int4,llama.cpp:q8_0,llama.cpp:q4_0" in page[: page.index(table.split("\n\n")[0])]
+    prose = _section(page, "### Measured: `assets/reports/bench_llamacpp.json`", "## The shipped report")
+    rows = {r["contender"]: r for r in report["results"]}
+    for name in ("llama.cpp:q8_0", "llama.cpp:q4_0", "kvdemo-int4"):  # paired decode ratios, each to its own full
+        assert _quotes(prose, rows[name]["decode_speed_vs_full"]["1024"], 2, "x"), name
+    assert (
+        _quotes(prose, rows["llama.cpp:q4_0"]["ppl_delta"]["2048"], 3)
+        and rows["llama.cpp:q4_0"]["ppl_delta"]["2048"] > 1
+    )
+
+
 def test_key_vs_value_table_is_the_reports():
     text = bench.markdown_table(BenchReport.from_json(_report("bench.json")))
     block = text[text.index("| measure | 4-bit keys |") :].split("\n\n")[0].strip()

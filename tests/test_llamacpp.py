@@ -158,6 +158,127 @@ def test_needle_rows_pair_with_llamacpps_f16_row(lm):
 
 
 @pytest.mark.model
+@pytest.mark.llamacpp
+def test_logits_of_the_rows_asked_for_are_those_of_every_row(gguf, lm, monkeypatch):
+    """The engine computes only the logits a caller asks for (the prefix's last row, the answer's rows); with every
+    row computed and the unused ones dropped, as before, the needle answer's log-prob, its reply and the
+    perplexity NLL come out the same (llama.cpp's batches are the same either way; only the output rows differ)."""
+    from kvdemo.texts import held_out_ids
+
+    ids = held_out_ids(lm, 200)[:200]
+    context, suffix, answer = ids[:160], ids[160:180], ids[180:184]
+    eos = {lm.tokenizer.eos_token_id}
+    kv = KvTypes("q4_0", "q4_0")
+    engine = llamacpp.Engine(gguf, kv, n_ctx=224)
+    try:
+        every = engine.feed(ids)
+        engine.keep(0)
+        torch.testing.assert_close(engine.feed(ids, last=7), every[-7:], rtol=0, atol=1e-5)
+        assert engine.feed(ids[:0], last=1).shape == (0, lm.config.vocab_size) and engine.n_tokens == 200
+        asked = llamacpp.needle_answer(engine, context, suffix, answer, 6, eos, lambda t: None, lambda: False)
+        asked_nll, asked_kept = llamacpp.score_text(engine, ids, 64, 16, 4)
+        feed = llamacpp.Engine.feed
+
+        def every_row(self, ids, chunk=None, last=None):  # the old way: every row's logits, the unused dropped
+            rows = feed(self, ids, chunk)
+            return rows if last is None else rows[len(rows) - min(last, len(rows)) :]
+
+        monkeypatch.setattr(llamacpp.Engine, "feed", every_row)
+        before = llamacpp.needle_answer(engine, context, suffix, answer, 6, eos, lambda t: None, lambda: False)
+        before_nll, before_kept = llamacpp.score_text(engine, ids, 64, 16, 4)
+    finally:
+        engine.close()
+    assert asked[0] == pytest.approx(before[0], abs=1e-4) and asked[1:] == before[1:]
+    torch.testing.assert_close(asked_nll, before_nll, rtol=0, atol=1e-4)
+    torch.testing.assert_close(asked_kept, before_kept, rtol=0, atol=1e-4)
+
+
+@pytest.mark.model
+@pytest.mark.llamacpp
+def test_bench_llamacpp_rows_beside_kvdemos(gguf, lm):
+    """A tiny bench with kvdemo int4 and llama.cpp q4_0: every phase of the llama.cpp rows is there, read against
+    llama.cpp's f16 row measured in the same run; its cache bytes are llama.cpp's formula, its perplexity what
+    `score_text` gives on the same ids."""
+    import math
+
+    from kvdemo.contest.run import run_bench
+    from kvdemo.ppl import per_length
+    from kvdemo.results.bench import BenchReport, BenchSizes, markdown_table
+    from kvdemo.texts import held_out_ids
+
+    sizes = BenchSizes(contexts=(128,), ppl_prefix=64, ppl_lengths=(256,), residual=64, new_tokens=64,
+                       warmup_steps=1, rounds=1, needle_lengths=(320,), needle_depths=(50,), warmup_tokens=80)  # fmt: skip
+    seen = []
+    # kvdemo's full row left out (test time): the llama.cpp rows have their own
+    report = run_bench(lm, sizes=sizes, precisions="int4,llama.cpp:q4_0", only=["kvdemo-int4", "llama.cpp:q4_0"],
+                       on_progress=seen.append)  # fmt: skip
+    rows = report.rows()
+    assert list(rows) == ["kvdemo-int4", "llama.cpp:f16", "llama.cpp:q4_0"]  # f16 comes with q4_0
+    f16, q4, int4 = rows["llama.cpp:f16"], rows["llama.cpp:q4_0"], rows["kvdemo-int4"]
+    assert (int4.engine, int4.baseline) == ("transformers", "full")
+    for r in (f16, q4):
+        assert (r.engine, r.baseline, r.backend) == ("llama.cpp", "llama.cpp:f16", "llama.cpp")
+        assert r.first_call_s > 0 and r.load_s > 0 and r.setup_s >= 0
+        assert r.prefill_s["128"] > 0 and r.decode_tok_s["128"] > 0 and len(r.decode_tok_s_rounds["128"]) == 1
+        win = r.decode_window["128"]
+        assert win.steps == 64 and win.flushes == 0 and win.mean_flush_step_ms is None  # no residual window
+        assert math.isfinite(r.ppl["256"]) and r.needle.total == 1 and r.needle.cells[0].logprob <= 0
+        kv = parse_kv(r.contender)
+        assert r.cache_bytes["128"] == kv_bytes(30, 192, 128, kv)  # llama.cpp's own cache rows for 128 tokens
+        assert r.cache_bytes_allocated["128"] >= kv_bytes(30, 192, 128 + 1 + 64, kv)  # its whole context
+    assert q4.ratio_vs_fp16["128"] == pytest.approx(16 / 4.5, rel=1e-3) and f16.ratio_vs_fp16["128"] == 1.0
+    # read against llama.cpp's f16 row, never kvdemo's full
+    assert q4.ppl_delta["256"] == pytest.approx(q4.ppl["256"] - f16.ppl["256"], abs=2e-4)
+    assert f16.ppl_delta["256"] == 0 and f16.logit_kl["256"] == 0 < q4.logit_kl["256"]
+    assert q4.decode_speed_vs_full["128"] == pytest.approx(
+        q4.decode_tok_s_rounds["128"][0] / f16.decode_tok_s_rounds["128"][0], rel=2e-3
+    )
+    assert q4.needle_logprob_delta == pytest.approx(q4.needle.mean_logprob - f16.needle.mean_logprob, abs=2e-4)
+    # the perplexity phase is score_text's on the same ids
+    engine = llamacpp.Engine(gguf, KvTypes("q4_0", "q4_0"), n_ctx=256)
+    try:
+        nll, _ = llamacpp.score_text(engine, held_out_ids(lm, 256), 64, 16, 4)
+    finally:
+        engine.close()
+    assert q4.ppl["256"] == pytest.approx(round(per_length(nll, nll[::4], 64, [256], 4)[0]["256"], 4), abs=1e-4)
+    assert report.engine["engine"].startswith("llama-cpp-python ") and "llama.cpp" in report.method
+    table = markdown_table(report)
+    assert "| contender | read against |" in table and "| `llama.cpp:q4_0` | `llama.cpp:f16` |" in table
+    assert BenchReport.from_json(report.to_json()).to_json() == report.to_json()
+    assert seen[-1].done == seen[-1].total  # the planned tokens were all done, and no more planned
+    assert [p.done for p in seen].index(seen[-1].total) >= len(seen) - 2
+
+
+def test_bench_refuses_llamacpp_rows_without_a_gguf_file():
+    from types import SimpleNamespace
+
+    from kvdemo.contest.run import run_bench
+    from kvdemo.results.bench import QUICK
+
+    hub = SimpleNamespace(name="hub/model", source="hub/model", max_context=8192)
+    with pytest.raises(LlamaCppError, match="run a GGUF file"):
+        run_bench(hub, sizes=QUICK, precisions="int4,llama.cpp:q4_0")
+
+
+def test_cli_bench_without_the_binding_prints_the_install_message(monkeypatch, capsys):
+    from kvdemo.cli import main
+
+    monkeypatch.setattr(llamacpp, "available", lambda: llamacpp.INSTALL)
+    monkeypatch.setattr("kvdemo.models.load_model", lambda *a, **k: _embedded_stub())
+    code = main(["bench", "--quick", "--precision", "int4,llama.cpp:q4_0", "--out", ""])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: llama.cpp contenders need llama-cpp-python") and "Traceback" not in err
+
+
+def _embedded_stub():
+    from types import SimpleNamespace
+
+    from kvdemo.models import DEFAULT_MODEL
+
+    return SimpleNamespace(name="SmolLM2", source=DEFAULT_MODEL, max_context=8192)
+
+
+@pytest.mark.model
 def test_needle_grid_refuses_a_bad_llamacpp_type_before_any_work(lm):
     from kvdemo.needle import NeedleError, run_grid
 

@@ -27,6 +27,7 @@ REPORTS = Path(__file__).resolve().parent.parent / "assets" / "reports"
         ("ablation.json", AblationReport),
         ("ppl_kv_split.json", KvSplitReport),
         ("bench.json", BenchReport),
+        ("bench_llamacpp.json", BenchReport),
         ("memory.json", MemoryReport),
         ("headroom_measured.json", MeasuredHeadroom),
         ("scale.json", ScaleReport),

@@ -337,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny sizes (tests); the same as --sizes quick")
     p.add_argument("--sizes", default="full", choices=["full", "1k", "quick"], help="kvdemo.results.bench.SIZES")
     p.add_argument("--only", default="", help="comma-separated contenders (default: every one available)")
+    p.add_argument(
+        "--precision",
+        default="",
+        help="kvdemo precisions to run (as kvdemo-<precision>) in place of the presets; llama.cpp:<type> or "
+        "llama.cpp:<key>/<value> (f16, q8_0, q5_1, q5_0, q4_1, iq4_nl, q4_0) adds llama.cpp's own cache on the same "
+        "GGUF file and tokens, read against its f16 row",
+    )
     p.set_defaults(func=_lazy("bench", "run_cli"), text=_lazy("bench", "format_text"))
 
     p = sub.add_parser("findings", help="the claims about KV quantization, measured: findings.json/.html/.pdf")

@@ -1,5 +1,5 @@
-"""`python -m kvdemo bench`: kvdemo vs transformers' QuantizedCache (kvdemo.contest.run.run_bench), the report files
-(bench.json, bench.md, bench.html) and its text."""
+"""`python -m kvdemo bench`: kvdemo vs transformers' QuantizedCache and llama.cpp's cache types
+(kvdemo.contest.run.run_bench), the report files (bench.json, bench.md, bench.html) and its text."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ from .progress import printer
 
 
 def run_cli(args) -> BenchReport:
-    """`python -m kvdemo bench [--quick | --sizes full|1k|quick] [--only NAMES] [--out reports] [--json]`:
-    progress on stderr, the report files written into --out, the report returned."""
+    """`python -m kvdemo bench [--quick | --sizes full|1k|quick] [--only NAMES] [--precision LIST] [--out reports]
+    [--json]`: progress on stderr, the report files written into --out, the report returned."""
     from ..models import load_model
 
     name = "quick" if args.quick else getattr(args, "sizes", "full")
     only = [n.strip() for n in getattr(args, "only", "").split(",") if n.strip()] or None
+    precisions = getattr(args, "precision", "").strip() or None
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    report = run_bench(lm, quick=name == "quick", sizes=SIZES[name], only=only, on_progress=printer())
+    report = run_bench(
+        lm, quick=name == "quick", sizes=SIZES[name], only=only, on_progress=printer(), precisions=precisions
+    )
     if args.out:
         report.files = write_report(report, args.out)
     return report

@@ -18,6 +18,9 @@ side by side in one run (`python -m kvdemo bench --json --out reports/`, docs/be
   optimum-quanto / HQQ backend at its defaults (group 64 along head_dim for keys and values, residual
   128; it dequantizes the whole cache at every step and re-quantizes all of it when the residual
   fills), and ``hf-fp8`` (its fp8 backend: one per-tensor scale, frozen after the first update).
+- ``llama.cpp:<type>`` (asked for with ``--precision``, kvdemo/engines.py's grammar): llama.cpp's own KV cache,
+  run by llama.cpp on the model's GGUF file and the same token ids (`llamacpp_rows`), each read against
+  ``llama.cpp:f16``, which comes with them.
 
 Measured per contender (`kvdemo.results.bench.BenchSizes` holds the sizes; `QUICK` is a tiny version for tests):
 
@@ -50,5 +53,5 @@ References: transformers `QuantizedCache` (cache_utils.py; KIVI, arXiv 2402.0275
 HQQ (Badri & Shaji 2023), users' latency reports (transformers issue 34096).
 
 The package: `contenders` (who runs, how each cache is built, its bytes), `decode` (timed greedy decoding,
-side by side), `run` (`run_bench`, the whole run). The report is `kvdemo.results.bench.BenchReport`.
+side by side), `llamacpp_rows` (llama.cpp's rows, phase by phase), `run` (`run_bench`, the whole run). The report is `kvdemo.results.bench.BenchReport`.
 """

@@ -1,14 +1,17 @@
-"""Who runs in the benchmark: each cache implementation under test, how to build it, and its bytes as stored."""
+"""Who runs in the benchmark: each cache implementation under test, how to build it, and its bytes as stored.
+llama.cpp's caches (``llama.cpp:<type>``, kvdemo/engines.py) run in llama.cpp itself (`kvdemo.contest.llamacpp_rows`)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .. import runner
 from ..cache import QuantizedKVCache
+from ..engines import CACHE_TYPES, KvTypes, baseline_of, split_contenders
 from ..machine import quanto_extension_built
 from ..models import LoadedModel
 from ..precision import parse_precision
@@ -26,19 +29,30 @@ HF_DEFAULTS = {"q_group_size": 64, "residual_length": 128, "axis_key": 0, "axis_
 class Contender:
     """One cache implementation under test: how to build it and which attention reads it."""
 
-    name: str  # "full" | "kvdemo-int4" | "hf-quanto-int4" | ...
-    backend: str  # "dynamic" | "kvdemo" | "quanto" | "hqq" | "fp8"
-    bits: int | None = None  # nominal code bits; None: the model's dtype
+    name: str  # "full" | "kvdemo-int4" | "hf-quanto-int4" | "llama.cpp:q4_0" | ...
+    backend: str  # "dynamic" | "kvdemo" | "quanto" | "hqq" | "fp8" | "llama.cpp"
+    bits: int | None = None  # nominal code bits (keys'); None: the model's dtype
     precision: str = ""  # kvdemo precision string, residual included (see `kvdemo_precision`)
     residual: int = HF_DEFAULTS["residual_length"]  # transformers' residual_length (quanto, hqq)
+    kv: KvTypes | None = None  # llama.cpp's cache types (backend "llama.cpp")
 
     @property
     def attention(self) -> str:
-        return "kvdemo" if self.backend == "kvdemo" else "sdpa"
+        return {"kvdemo": "kvdemo", "llama.cpp": "llama.cpp"}.get(self.backend, "sdpa")
 
     @property
     def family(self) -> str:
-        return "kvdemo" if self.backend == "kvdemo" else "transformers"
+        return {"kvdemo": "kvdemo", "llama.cpp": "llama.cpp"}.get(self.backend, "transformers")
+
+    @property
+    def engine(self) -> str:
+        """What runs the model: llama.cpp for its own rows, transformers (PyTorch) for every other."""
+        return "llama.cpp" if self.backend == "llama.cpp" else "transformers"
+
+    @property
+    def baseline(self) -> str:
+        """The row this one is read against: its own engine's full row."""
+        return baseline_of(self.name)
 
     def make_cache(self, lm: LoadedModel):
         from transformers import DynamicCache, QuantizedCache
@@ -56,6 +70,8 @@ class Contender:
         return HF_DEFAULTS | {"residual_length": self.residual}
 
     def settings(self, lm: LoadedModel) -> dict:
+        if self.backend == "llama.cpp":
+            return {"type_k": self.kv.key, "type_v": self.kv.value, "flags": self.kv.flags()}
         if self.backend == "kvdemo":
             return parse_precision(self.precision).to_dict()
         if self.backend == "dynamic":
@@ -74,13 +90,22 @@ def kvdemo_precision(preset: str, residual: int) -> str:
     return spec.label
 
 
-def contenders(quick: bool = False, residual: int | None = None) -> tuple[list[Contender], list[Skipped]]:
+def contenders(
+    quick: bool = False, residual: int | None = None, precisions: str | Sequence | None = None
+) -> tuple[list[Contender], list[Skipped]]:
     """(contenders that can run here, those skipped with the reason). Every quantized contender keeps the same
-    full-precision residual window: `residual` (default: QUICK's or FULL's)."""
+    full-precision residual window: `residual` (default: QUICK's or FULL's). `precisions` (the grammar of
+    `kvdemo ppl --precision`, `engines.split_contenders`): kvdemo's precisions to run in place of the presets, and
+    llama.cpp contenders, its f16 row first, after every other row."""
     from transformers.utils import is_hqq_available, is_optimum_quanto_available
 
     residual = residual or (QUICK if quick else FULL).residual
     presets = QUICK_PRESETS if quick else KVDEMO_PRESETS + METHOD_PRESETS
+    theirs: list[KvTypes] = []
+    if precisions is not None:
+        ours, theirs = split_contenders(precisions)
+        named = [p if isinstance(p, str) else p.label for p in ours]
+        presets = tuple(dict.fromkeys(p for p in named if parse_precision(p).label != "full")) if ours else presets
     run = [Contender("full", "dynamic")]
     run += [
         Contender(f"kvdemo-{p}", "kvdemo", parse_precision(p).key_bits, kvdemo_precision(p, residual), residual)
@@ -108,6 +133,7 @@ def contenders(quick: bool = False, residual: int | None = None) -> tuple[list[C
             skipped.append(Skipped(c.name, reason))
         else:
             run.append(c)
+    run += [Contender(kv.label, "llama.cpp", CACHE_TYPES[kv.key].code_bits, kv=kv) for kv in theirs]
     return run, skipped
 
 

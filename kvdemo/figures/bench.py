@@ -1,9 +1,24 @@
-"""The benchmark against transformers' QuantizedCache: figures of its report (`kvdemo.results.bench.BenchReport`)."""
+"""The benchmark against transformers' QuantizedCache: figures of its report (`kvdemo.results.bench.BenchReport`).
+llama.cpp's rows are hatched, and their hover names the row they are read against (llama.cpp's f16 row)."""
 
 import plotly.graph_objects as go
 
 from ..results.bench import BenchReport
 from . import set_title
+
+
+def _engine_marks(report: BenchReport) -> dict:
+    """Bar styling that sets llama.cpp's rows apart: a hatch on them, each row's baseline for the hover."""
+    return {
+        "marker_pattern_shape": ["/" if r.engine == "llama.cpp" else "" for r in report.results],
+        "customdata": [r.baseline for r in report.results],
+    }
+
+
+def _titled(report: BenchReport, title: str) -> str:
+    if any(r.engine == "llama.cpp" for r in report.results):
+        return f"{title} (hatched: llama.cpp's rows, read against llama.cpp:f16)"
+    return title
 
 
 def _bench_bars(report: BenchReport, metric: str, keys: list, key_label: str, title: str, yaxis: str) -> go.Figure:
@@ -17,10 +32,11 @@ def _bench_bars(report: BenchReport, metric: str, keys: list, key_label: str, ti
                 x=names,
                 y=ys,
                 name=f"{key_label} {key}",
-                hovertemplate="%{x}: %{y:.4g}<extra>" + f"{key_label} {key}" + "</extra>",
+                hovertemplate="%{x}: %{y:.4g} (against %{customdata})<extra>" + f"{key_label} {key}" + "</extra>",
+                **_engine_marks(report),
             )
         )
-    set_title(fig, title, barmode="group", yaxis_title=yaxis, xaxis_title="contender")
+    set_title(fig, _titled(report, title), barmode="group", yaxis_title=yaxis, xaxis_title="contender")
     return fig
 
 
@@ -65,12 +81,13 @@ def bench_needle_figure(report: BenchReport) -> go.Figure:
                 x=names,
                 y=[r.needle.cells[i].logprob for r in rows],
                 name=label,
-                hovertemplate="%{x}: %{y:.3f} nats<extra>" + label + "</extra>",
+                hovertemplate="%{x}: %{y:.3f} nats (against %{customdata})<extra>" + label + "</extra>",
+                **_engine_marks(report),
             )
         )
     set_title(
         fig,
-        "Pass key log-probability (higher is better, 0 = certain)",
+        _titled(report, "Pass key log-probability (higher is better, 0 = certain)"),
         barmode="group",
         yaxis_title="log-prob (nats)",
         xaxis_title="contender",

@@ -3,7 +3,9 @@ per contender, the goals judged on them, keys against values, scheme against imp
 table docs/benchmark.md carries (bench.md). Also the decode-speed run (`kvdemo.contest.decode.decode_speed`)
 the methods ablation records.
 
-Per-length and per-context figures are keyed by the length as a string ("4096"), as the JSON holds them.
+Per-length and per-context figures are keyed by the length as a string ("4096"), as the JSON holds them. A row
+says which engine ran it and which row it is read against (`ContenderResult.engine`, `.baseline`): llama.cpp's
+rows against llama.cpp's f16 row, every other row against ``full``.
 """
 
 from __future__ import annotations
@@ -192,17 +194,27 @@ class ContenderResult:
     prefill_s: dict[str, float]
     setup_s: float  # first call minus an identical second one
     first_call_s: float
+    # written only when not the default, so reports from before llama.cpp rows existed read back unchanged
+    engine: str = "transformers"  # what runs the model: "transformers" (PyTorch) | "llama.cpp"
+    baseline: str = "full"  # the row the deltas, KL and speed ratios are against: its own engine's full row
+    load_s: float | None = None  # llama.cpp: seconds to load the GGUF into a context of this cache (warm call)
 
     def to_json(self) -> dict:
         d = dict(vars(self))
         d["needle"] = self.needle.to_json()
         d["decode_window"] = {k: w.to_json() for k, w in self.decode_window.items()}
+        for name, default in _ROW_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> ContenderResult:
         windows = {k: DecodeWindow.from_json(w) for k, w in d["decode_window"].items()}
         return cls(**(d | {"needle": NeedleSummary.from_json(d["needle"]), "decode_window": windows}))
+
+
+_ROW_DEFAULTS = {"engine": "transformers", "baseline": "full", "load_s": None}
 
 
 @dataclass
@@ -269,6 +281,7 @@ class BenchReport:
     goals: list[Goal] = field(default_factory=list)
     key_vs_value: KeyVsValue | None = None
     scheme_vs_implementation: dict | None = None  # see `scheme_vs_implementation`
+    engine: dict | None = None  # llama.cpp rows' binding, file and protocol (kvdemo.llamacpp.engine_note)
     files: dict[str, str] | None = None  # {"json", "md", "html"}: where the CLI wrote the report
 
     def rows(self) -> dict[str, ContenderResult]:
@@ -289,6 +302,8 @@ class BenchReport:
             "key_vs_value": None if self.key_vs_value is None else self.key_vs_value.to_json(),
             "scheme_vs_implementation": self.scheme_vs_implementation,
         }
+        if self.engine is not None:
+            d["engine"] = dict(self.engine)
         if self.files is not None:
             d["files"] = dict(self.files)
         return d
@@ -308,6 +323,7 @@ class BenchReport:
             goals=[Goal.from_json(g) for g in d["goals"]],
             key_vs_value=None if d.get("key_vs_value") is None else KeyVsValue.from_json(d["key_vs_value"]),
             scheme_vs_implementation=d.get("scheme_vs_implementation"),
+            engine=d.get("engine"),
             files=d.get("files"),
         )
 
@@ -442,11 +458,13 @@ def markdown_table(report: BenchReport) -> str:
     """The results as one markdown table, plus the machine and the goals (bench.md; docs/benchmark.md)."""
     s = report.sizes
     ctx, ppl = [str(c) for c in s.contexts], [str(n) for n in s.ppl_lengths]
-    head = ["contender"]
-    head += [f"ratio vs fp16 @{c}" for c in ctx]
-    # reports written before logit KL and the flush-crossing decode window existed have neither column
+    # reports written before logit KL and the flush-crossing decode window existed have neither column; a
+    # "read against" column only when some row has another baseline than full (llama.cpp's rows)
     has_kl = any(r.logit_kl for r in report.results)
     has_window = any(r.decode_window for r in report.results)
+    has_baselines = any(r.baseline != "full" for r in report.results)
+    head = ["contender"] + (["read against"] if has_baselines else [])
+    head += [f"ratio vs fp16 @{c}" for c in ctx]
     head += [f"ppl @{n} (delta)" for n in ppl]
     head += [f"logit KL @{ppl[-1]}"] if has_kl else []
     head += [f"allocated ratio @{ctx[-1]}", "needle log-prob (found)"]
@@ -457,6 +475,7 @@ def markdown_table(report: BenchReport) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report.results:
         cells = [f"`{r.contender}`"]
+        cells += ([""] if r.baseline == r.contender else [f"`{r.baseline}`"]) if has_baselines else []
         cells += [f"{r.ratio_vs_fp16[c]:.2f}x" for c in ctx]
         for n in ppl:
             delta = r.ppl_delta.get(n)
@@ -484,6 +503,12 @@ def markdown_table(report: BenchReport) -> str:
         f"{m['date']}; load average {m['load_avg_start'][0]} at start, {m['load_avg_end'][0]} at end; "
         f"wall time {report.wall_s:.0f} s." + (f" {m['notes']}" if m.get("notes") else "")
     )
+    if report.engine:
+        e = report.engine
+        lines.append(
+            f"llama.cpp rows: {e['engine']} on {e['gguf']}, {e['flags']}; each delta, KL and speed ratio against "
+            "`llama.cpp:f16`, measured in the same run."
+        )
     for sk in report.skipped:
         lines.append(f"Skipped `{sk.contender}`: {sk.reason}.")
     lines.append("")
