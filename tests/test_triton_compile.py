@@ -148,8 +148,8 @@ def test_decode_loop_relative_to_int4(sm90):
 
 
 # The budgets a memory-bound decode loop needs at the goal point (`compile_sm90.goal_budgets`) that the plain int4,
-# int8 and k8v4 loops meet, per triton version (they are the same for 3.9 and 3.6 since 8-bit values are compiled
-# with a register cap, `launch.max_registers`: 3.6 gave int8 181 registers without it); the others (no plain
+# int8 and k8v4 loops meet, per triton version (they are the same for 3.9 and 3.6 since the plane-split variants
+# are compiled with a register cap, `launch.max_registers`: 3.6 gave int8 181 registers without it); the others (no plain
 # global load in the loop, at most 4 barriers per tile, int4's issue floor at or below its memory floor) are
 # reported, not met (docs/kernels.md). A version without a report is held to what both meet.
 _MET = {
@@ -208,7 +208,9 @@ def test_budgets_catch_a_regression_not_another_version():
 
 
 def test_main_loop_counts_the_steady_path():
-    """`main_loop` finds the largest loop in SASS and leaves out the predicated blocks inside it."""
+    """`main_loop` finds the largest loop in SASS and leaves out of its steady path the predicated blocks that
+    load (a key-block entry: `loop_conditional`) or mask scores to -inf (an edge tile: `loop_edge`); a block
+    some lanes of every tile run (a reduction's shared store) stays in."""
     main_loop = _compile_sm90().main_loop
     lines = [
         "MOV R1, R2",  # 0x00: before the loop
@@ -217,20 +219,26 @@ def test_main_loop_counts_the_steady_path():
         "LDG.E R4, desc[UR4][R6.64]",
         "FMUL R5, R4, R4",
         "HMMA.16816.F32 R8, R12, R16, R8",  # 0x50
-        "@!P0 BRA 0x90",  # 0x60: the loop's exit
+        "@!P2 BRA 0xa0",  # 0x60: skips 0x70 to 0x90 (masking an edge tile), with a nested skip
+        "@P3 BRA 0x90",
+        "FSEL R8, R8, -INF, P4",
+        "FSEL R9, R9, -INF , P4",  # 0x90
+        "@P5 BRA 0xc0",  # 0xa0: lanes that skip a reduction's store
+        "STS [R171+0x6000], R80",
+        "@!P0 BRA 0xf0",  # 0xc0: the loop's exit
         "MOV R7, R5",
-        "BRA 0x10",  # 0x80: back edge
+        "BRA 0x10",  # 0xe0: back edge
         "EXIT",
     ]
     sass = "\n".join(f"        /*{16 * i:04x}*/                   {text} ;" for i, text in enumerate(lines))
     loop = main_loop(sass)
-    assert (loop["loop_instructions"], loop["loop_conditional"]) == (6, 2)
-    # the steady path's mix: the skipped LDG is not in it; the HMMA and one MOV are
+    assert (loop["loop_instructions"], loop["loop_conditional"], loop["loop_edge"]) == (9, 2, 3)
+    # the steady path's mix: the skipped LDG is not in it; the HMMA, the store and one MOV are
     assert loop["loop_mix"] == {
-        "moves": 1, "prmt": 0, "shared_loads": 0, "shared_stores": 0, "barriers": 0, "mma": 1, "global_loads": 0,
+        "moves": 1, "prmt": 0, "shared_loads": 0, "shared_stores": 1, "barriers": 0, "mma": 1, "global_loads": 0,
         "async_copies": 0,
     }  # fmt: skip
-    assert main_loop("        /*0000*/   EXIT ;") == {"loop_instructions": 0, "loop_conditional": 0}
+    assert main_loop("        /*0000*/   EXIT ;") == {"loop_instructions": 0, "loop_conditional": 0, "loop_edge": 0}
 
 
 def test_loop_mix_classifies_opcodes_past_predicates_and_modifiers():

@@ -45,7 +45,7 @@ def specialization_key(kernel, args: tuple, kwargs: dict) -> tuple:
     argument's type and value class, not specialized where the kernel says so (`do_not_specialize`)."""
     fn, dns = _jit_parts(kernel)
     sig = inspect.signature(fn)
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     bound = sig.bind(*args, **{k: v for k, v in kwargs.items() if k not in options})
     bound.apply_defaults()
     key = []

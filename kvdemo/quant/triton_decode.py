@@ -236,15 +236,17 @@ def _plane_split_tiles(
         s = tl.dot(qs0, tl.trans(k0))  # [BM, BN]
         if K_PL == 2:
             s = tl.dot(qs1, tl.trans(k1), s)
-        s = tl.where(valid[None, :], s + qz[:, None], float("-inf"))
+        # s + qz is the score; qz is the same across a row, so it goes on the row's max instead of on s
+        if (start < S) or (start + BLOCK_N > Q):  # only a program's first or last tile holds rows to mask
+            s = tl.where(valid[None, :], s, float("-inf"))
         vbyte = tl.load(vc_base + pos[:, None] * svc_t + offs_v[None, :], mask=valid[:, None], other=0)
         v0, v1 = _int_planes(vbyte, V_BITS, False, PTX)  # [BN, VDP] fp16 each
         vs = tl.load(vs_base + pos * svs_t, mask=valid, other=0.0)  # [BN] fp16, one group per token
         vz = tl.load(vz_base + pos * svz_t, mask=valid, other=0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) + qz)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])  # [BM, BN]
+        p = tl.exp2(s - (m_safe - qz)[:, None])  # [BM, BN]
         l_i = l_i * alpha + tl.sum(p, 1)
         p16 = p.to(tl.float16)
         acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0 * alpha[:, None])  # values: fp16 s c + z
