@@ -205,15 +205,16 @@ def _plane_split_tiles(
     offs_v = tl.arange(0, VDP)
     q0 = tl.load(q_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BM, KDP]
     q1 = q0
-    if K_PL == 2:
+    if K_PL == 2:  # high nibbles come as 1024 + 16 c: their plane's query takes the 1/16, and the log2 scale
         q1 = tl.load(q_rows[:, None] + KDP + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q1 = q1 * (qk_scale * 0.0625)
     acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
     acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     ks0 = tl.zeros([KDP], dtype=tl.float32)
     ks1 = tl.zeros([KDP], dtype=tl.float32)
     qz = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # softmax weights summed per row and tile column
     for tile in range(t_begin, t_end):
         start = tile * BLOCK_N
         pos = start + offs_n  # [BN] absolute positions; rows [0, S) are dummies
@@ -224,10 +225,10 @@ def _plane_split_tiles(
             kz = tl.load(kz_base + blk * skz_t + offs_k).to(tl.float32) * qk_scale
             # the codes come biased (1024 + c): q . z - 1024 sum_c qs_c, from the fp16 qs the dot multiplies
             qz_c = q0 * kz[None, :] - 1024.0 * (q0 * ks0[None, :]).to(tl.float16).to(tl.float32)  # [BM, KDP]
-            if K_PL == 2:  # high nibbles come as 1024 + 16 c: their plane's query takes the 1/16
-                ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k).to(tl.float32) * (qk_scale * 0.0625)
-                kz = tl.load(kz_base + blk * skz_t + KDP + offs_k).to(tl.float32) * qk_scale
-                qz_c += q1 * kz[None, :] - 1024.0 * (q1 * ks1[None, :]).to(tl.float16).to(tl.float32)
+            if K_PL == 2:  # q1 holds qk_scale / 16: its q . z is 16 (q1 . z - 64 sum_c qs1_c)
+                ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k).to(tl.float32)
+                kz = tl.load(kz_base + blk * skz_t + KDP + offs_k).to(tl.float32)
+                qz_c += 16.0 * (q1 * kz[None, :] - 64.0 * (q1 * ks1[None, :]).to(tl.float16).to(tl.float32))
             qz = tl.sum(qz_c, 1)
         qs0 = (q0 * ks0[None, :]).to(tl.float16)
         qs1 = (q1 * ks1[None, :]).to(tl.float16)
@@ -247,12 +248,13 @@ def _plane_split_tiles(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - (m_safe - qz)[:, None])  # [BM, BN]
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_t = l_t * alpha[:, None] + p  # row sums after the loop: no reduction across warps per tile
         p16 = p.to(tl.float16)
         acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0 * alpha[:, None])  # values: fp16 s c + z
         if V_PL == 2:
             acc1 = tl.dot(p16, v1 * vs[:, None] + vz[:, None], acc1 * alpha[:, None])
         m_i = m_new
+    l_i = tl.sum(l_t, 1)
     if V_PL == 2:
         acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_M, D))
     else:
