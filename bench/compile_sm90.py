@@ -115,11 +115,13 @@ def resources(cubin: bytes) -> dict:
 
 def main_loop(sass: str) -> dict:
     """Instructions per iteration of the kernel's largest loop (decode: the quantized-tile loop), per warp, on
-    its steady path (`loop_instructions`: a tile inside a key block, away from the cache's ends). Predicated
-    blocks inside the loop are left out of it when they load from global memory (`loop_conditional`: entering
-    a key block, its scales, once per key group) or set scores to -inf (`loop_edge`: masking rows outside
-    [S, Q), run by the first and last tiles of a sequence only); other predicated blocks (the lanes of a warp
-    that store a cross-warp reduction) are issued on every tile and stay in. Zeros when there is no loop."""
+    its steady path (`loop_instructions`: a tile inside a key block, away from the cache's ends, whose row
+    maxima stay within the softmax's reference). Predicated blocks inside the loop are left out of it when they
+    load from global memory (`loop_conditional`: entering a key block, its scales, once per key group), set
+    scores to -inf or take an exp2 (`loop_rare`: masking rows outside [S, Q) on the first and last tiles of a
+    sequence; moving the plane-split loop's softmax reference, where a row's max passes it by more than
+    2^RESCALE_LOG2, which a program's first tile and few others do); other predicated blocks (the lanes of a
+    warp that store a cross-warp reduction) are issued on every tile and stay in. Zeros when there is no loop."""
     code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     branches = []  # (address, target, predicated)
     for addr, text in code:
@@ -128,23 +130,23 @@ def main_loop(sass: str) -> dict:
             branches.append((addr, int(m.group(1), 16), text.startswith("@")))
     loops = [(target, addr) for addr, target, _ in branches if target <= addr]
     if not loops:
-        return {"loop_instructions": 0, "loop_conditional": 0, "loop_edge": 0}
+        return {"loop_instructions": 0, "loop_conditional": 0, "loop_rare": 0}
     begin, end = max(loops, key=lambda loop: loop[1] - loop[0])
     blocks = [(addr, target) for addr, target, predicated in branches if predicated and begin <= addr < target <= end]
     outer = [(a, t) for a, t in blocks if not any(a2 < a and t <= t2 for a2, t2 in blocks)]  # nested: counted once
-    conditional, edge = set(), set()
+    conditional, rare = set(), set()
     for addr, target in outer:
         inside = [(a, text) for a, text in code if addr < a < target]
         if any(loop_mix([text])["global_loads"] for _, text in inside):
             conditional.update(a for a, _ in inside)
-        elif any(re.match(r"(@\S+ )?FSEL\b.*-INF", text) for _, text in inside):
-            edge.update(a for a, _ in inside)
+        elif any(re.match(r"(@\S+ )?(FSEL\b.*-INF|MUFU\.EX2\b)", text) for _, text in inside):
+            rare.update(a for a, _ in inside)
     body = [a for a, _ in code if begin <= a <= end]
-    steady = [text for a, text in code if begin <= a <= end and a not in conditional | edge]
+    steady = [text for a, text in code if begin <= a <= end and a not in conditional | rare]
     return {
-        "loop_instructions": len(body) - len(conditional | edge),
+        "loop_instructions": len(body) - len(conditional | rare),
         "loop_conditional": len(conditional),
-        "loop_edge": len(edge - conditional),
+        "loop_rare": len(rare - conditional),
         "loop_mix": loop_mix(steady),
     }
 
@@ -436,7 +438,7 @@ def is_goal_row(row: dict) -> bool:
 def issue_per_token(row: dict) -> float:
     """Warp instructions the decode loop issues per cached token of one (batch, kv head): the loop's steady
     path, plus its key-block entry code once per K_GROUP tokens, times the warps, over the tile's tokens (the
-    edge tiles' masking, `loop_edge`, runs on two tiles of a sequence: nothing per token at long context)."""
+    `loop_rare` blocks run on a few tiles per program: nothing per token at long context)."""
     c = row["consts"]
     per_tile = row["loop_instructions"] + row["loop_conditional"] * c["BLOCK_N"] / c["K_GROUP"]
     return row["num_warps"] * per_tile / c["BLOCK_N"]

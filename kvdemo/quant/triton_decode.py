@@ -155,6 +155,11 @@ def _full_segment(
     return acc, m_i, l_i
 
 
+# how far (log2) a row's max may pass the plane-split loop's reference before the reference moves: weights
+# stay within 2^8, which fp16 holds with its full precision
+RESCALE_LOG2 = tl.constexpr(8.0)
+
+
 @triton.jit
 def _plane_split_tiles(
     q_rows,
@@ -191,9 +196,12 @@ def _plane_split_tiles(
 
     Keys: q . k_t = sum_planes sum_c (q_c s_c) b_tc + (q . z - 1024 sum_c (q_c s_c)), with the codes b as the
     PTX leaves them, 1024 + c (high nibbles 1024 + 16 c: their plane's query takes the 1/16), and the bracket
-    computed once per key block from the same fp16 (q_c s_c) the dot multiplies, so the offset cancels. q s is
-    rounded to fp16 once per tile, with no hi + lo split: |score error| <= 2^-11 sum_c |q_c s_c| (c_tc + 1), what
-    a 16-bit SDPA's own rounding of q and k gives (tests/test_triton.py states and checks the bound). Values are
+    computed once per key block from the same fp16 (q_c s_c) the dot multiplies, so the offset cancels. With
+    4-bit keys the query is rounded to fp16 once and q s in fp16 (both rounded, no hi + lo split); with 8-bit
+    keys q s is rounded from fp32: |score error| <= 2^-11 (1 + 2^-10) sum_c |q_c| (|k_tc| + |s_c| (c_tc + 1)),
+    what a 16-bit SDPA's own rounding of q and k gives (tests/test_triton.py states and checks the bound). The
+    softmax weights are taken against a reference that moves only when a row's max passes it by more than
+    2^RESCALE_LOG2 (weights up to 2^8, fp16 keeps them to 2^-11 relative). Values are
     dequantized per plane in fp16 (s_t c + z_t), as in the first loop. Returns (acc [BM, D] fp32, m_i, l_i),
     log2 domain."""
     K_PL: tl.constexpr = 8 // K_BITS  # planes of D / K_PL channels each (8 bits: 1, 4 bits: 2)
@@ -203,16 +211,23 @@ def _plane_split_tiles(
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, KDP)
     offs_v = tl.arange(0, VDP)
-    q0 = tl.load(q_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BM, KDP]
+    # 4-bit keys: the query in the log2 domain rounded to fp16 once, [BM, KDP] per plane (the high nibbles come
+    # as 1024 + 16 c: their plane's query takes the 1/16), times the key scales in fp16 (rounded once more).
+    # 8-bit keys (one plane of D channels, registers at the cap): the fp32 query times fp32 scales, rounded once
+    QH: tl.constexpr = K_PL == 2
+    q0 = tl.load(q_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q1 = q0
-    if K_PL == 2:  # high nibbles come as 1024 + 16 c: their plane's query takes the 1/16, and the log2 scale
+    if QH:
+        q0 = (q0 * qk_scale).to(tl.float16)
         q1 = tl.load(q_rows[:, None] + KDP + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q1 = q1 * (qk_scale * 0.0625)
+        q1 = (q1 * (qk_scale * 0.0625)).to(tl.float16)
+        ks0 = tl.zeros([KDP], dtype=tl.float16)
+    else:
+        ks0 = tl.zeros([KDP], dtype=tl.float32)
+    ks1 = ks0
     acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
     acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    ks0 = tl.zeros([KDP], dtype=tl.float32)
-    ks1 = tl.zeros([KDP], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: exp2(-inf - m_i) is 0, never nan
     qz = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # softmax weights summed per row and tile column
     for tile in range(t_begin, t_end):
@@ -221,16 +236,19 @@ def _plane_split_tiles(
         valid = (pos >= S) & (pos < Q)
         if (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block: its scales and q . zero
             blk = start // K_GROUP
-            ks0 = tl.load(ks_base + blk * sks_t + offs_k).to(tl.float32) * qk_scale  # [KDP], log2 domain
-            kz = tl.load(kz_base + blk * skz_t + offs_k).to(tl.float32) * qk_scale
+            ks0 = tl.load(ks_base + blk * sks_t + offs_k)  # [KDP] fp16, as stored
+            kz = tl.load(kz_base + blk * skz_t + offs_k).to(tl.float32)
+            if not QH:
+                ks0 = ks0.to(tl.float32) * qk_scale  # log2 domain
+                kz = kz * qk_scale
             # the codes come biased (1024 + c): q . z - 1024 sum_c qs_c, from the fp16 qs the dot multiplies
-            qz_c = q0 * kz[None, :] - 1024.0 * (q0 * ks0[None, :]).to(tl.float16).to(tl.float32)  # [BM, KDP]
-            if K_PL == 2:  # q1 holds qk_scale / 16: its q . z is 16 (q1 . z - 64 sum_c qs1_c)
-                ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k).to(tl.float32)
+            qz_c = q0.to(tl.float32) * kz[None, :] - 1024.0 * (q0 * ks0[None, :]).to(tl.float16).to(tl.float32)
+            if K_PL == 2:  # q1 holds the 1/16: its q . z is 16 (q1 . z - 64 sum_c qs1_c)
+                ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k)
                 kz = tl.load(kz_base + blk * skz_t + KDP + offs_k).to(tl.float32)
-                qz_c += 16.0 * (q1 * kz[None, :] - 64.0 * (q1 * ks1[None, :]).to(tl.float16).to(tl.float32))
-            qz = tl.sum(qz_c, 1)
-        qs0 = (q0 * ks0[None, :]).to(tl.float16)
+                qz_c += 16.0 * (q1.to(tl.float32) * kz[None, :] - 64.0 * (q1 * ks1[None, :]).to(tl.float32))
+            qz = tl.sum(qz_c, 1)  # [BM]
+        qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
         qs1 = (q1 * ks1[None, :]).to(tl.float16)
         kbyte = tl.load(kc_base + pos[:, None] * skc_t + offs_k[None, :], mask=valid[:, None], other=0)
         k0, k1 = _int_planes(kbyte, K_BITS, True, PTX)  # [BN, KDP] fp16 each, 1024 + c (+ 16 c)
@@ -244,16 +262,22 @@ def _plane_split_tiles(
         v0, v1 = _int_planes(vbyte, V_BITS, False, PTX)  # [BN, VDP] fp16 each
         vs = tl.load(vs_base + pos * svs_t, mask=valid, other=0.0)  # [BN] fp16, one group per token
         vz = tl.load(vz_base + pos * svz_t, mask=valid, other=0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1) + qz)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - (m_safe - qz)[:, None])  # [BM, BN]
-        l_t = l_t * alpha[:, None] + p  # row sums after the loop: no reduction across warps per tile
+        m_tile = tl.max(s, 1) + qz  # [BM]; -inf for a row masked throughout
+        # the weights are taken against m_i, which moves (rescaling acc and l_t) only when a row's max passes
+        # it by more than RESCALE_LOG2, so p <= 2^RESCALE_LOG2; a program's first tile always moves it
+        if tl.max(m_tile - m_i, 0) > RESCALE_LOG2:
+            m_new = tl.maximum(m_i, m_tile)  # a row with nothing seen yet keeps -1e30: its weights are 0
+            alpha = tl.exp2(m_i - m_new)
+            acc0 *= alpha[:, None]
+            acc1 *= alpha[:, None]
+            l_t *= alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - (m_i - qz)[:, None])  # [BM, BN]
+        l_t += p  # row sums after the loop: no reduction across warps per tile
         p16 = p.to(tl.float16)
-        acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0 * alpha[:, None])  # values: fp16 s c + z
+        acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0)  # values: fp16 s c + z
         if V_PL == 2:
-            acc1 = tl.dot(p16, v1 * vs[:, None] + vz[:, None], acc1 * alpha[:, None])
-        m_i = m_new
+            acc1 = tl.dot(p16, v1 * vs[:, None] + vz[:, None], acc1)
     l_i = tl.sum(l_t, 1)
     if V_PL == 2:
         acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_M, D))
