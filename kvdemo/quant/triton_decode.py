@@ -13,7 +13,8 @@ by the same arithmetic in Triton ops in the interpreter (`kvdemo.quant.triton_co
 dequantized: ``q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c z_c`` inside one key block, with ``q_c s_c`` and
 ``q . z`` computed once per block. Both dots run on fp16 tensor cores with fp32 accumulation. 8- and 4-bit
 integer codes (`launch.plane_split`) take `_plane_split_tiles`: each nibble plane to its own dot, the query
-rounded to fp16 once (its docstring says the bound). Elsewhere scores are about fp32-accurate: fp32 operands are
+times the key scales rounded to fp16 with no hi + lo split, the softmax reference moved only when a row's max
+jumps past it (its docstring says the bounds). Elsewhere scores are about fp32-accurate: fp32 operands are
 split into fp16 hi + lo halves (queries always; keys stored in fp32 or dequantized per token too). The weights
 and the dequantized values of the second dot are fp16, as in FlashAttention (2^-11 relative each).
 
