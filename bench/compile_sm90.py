@@ -344,7 +344,7 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                     rows.append(
                         {"kernel": "decode", "format": f"k:{kf} v:{vf}", "axis": key_axis, "head_dim": head_dim}
                         | {"block_m": block_m, "num_warps": warps, "consts": consts}
-                        | {"maxnreg": launch.max_registers(spec, head_dim)}
+                        | {"maxnreg": launch.max_registers(spec, head_dim, warps)}
                     )
     for half in ("bf16", "fp32"):
         rows.append(rows[0] | {"half": half, "format": rows[0]["format"] + f" ({half} query and residual)"})

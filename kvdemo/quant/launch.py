@@ -138,11 +138,13 @@ def plane_split(spec, head_dim: int) -> bool:
 MAX_REGISTERS = 168  # per thread: 3 blocks of 4 warps per SM (65,536 registers), 12 warps to hide latency
 
 
-def max_registers(spec, head_dim: int) -> int | None:
-    """The register cap the decode kernel is compiled with (`maxnreg`), or None: plane-split variants take
-    MAX_REGISTERS; uncapped, triton 3.6 gives int8 181 registers (2 blocks, 8 warps per SM) and ptxas may spill
-    k8v4 at 168 where the cap compiles it to 160 without a spill (`bench/compile_sm90.py`)."""
-    return MAX_REGISTERS if plane_split(spec, head_dim) else None
+def max_registers(spec, head_dim: int, num_warps: int) -> int | None:
+    """The register cap the decode kernel is compiled with (`maxnreg`), or None: plane-split variants of 4 warps
+    at head_dim 64 and up take MAX_REGISTERS (3 blocks, 12 warps per SM); uncapped, int4, int8 and k8v4 at
+    head_dim 128 take 187-212 registers (8 warps per SM; triton 3.6 gave int8 181). Blocks of 8 warps (more
+    query rows) reach no more warps per SM under any cap above 128, and at head_dim 32 the cap spills
+    (`bench/compile_sm90.py` shows each variant)."""
+    return MAX_REGISTERS if plane_split(spec, head_dim) and num_warps == 4 and head_dim >= 64 else None
 
 
 def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:

@@ -841,7 +841,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         **decode_constants(kv.spec, d, block_n, cos.shape[-1] if k_rope else 0),
         num_warps=num_warps,
         num_stages=num_stages,
-        **({"maxnreg": cap} if (cap := max_registers(kv.spec, d)) else {}),
+        **({"maxnreg": cap} if (cap := max_registers(kv.spec, d, num_warps)) else {}),
     )
     if v_rot:  # the quantized splits' outputs are in the values' rotated space: turn them back (out @ R.T)
         n_tiles, r_tiles = cdiv(q_len, block_n), cdiv(r_len, block_n)  # as the kernel shares them out
