@@ -89,6 +89,26 @@ class BatchedKVCache(Cache):
         return out
 
 
+def _greedy(first: list[int], step, stops: set[int], steps: int) -> dict:
+    """Greedy decoding of B sequences together: `first` [B] their first tokens, `step(last) -> next` one forward
+    of the batch (token ids in and out, [B] lists), `steps` tokens in all. A sequence that has stopped keeps
+    running with the batch (its extra tokens are dropped), so the batch stays B. Returns {"tokens": per
+    sequence, up to and including its stop token, "decode_s": the steps' wall time, "steps"}."""
+    last = list(first)
+    tokens = [[t] for t in last]
+    done = [t in stops for t in last]
+    start = time.perf_counter()
+    for _ in range(steps - 1):
+        if all(done):
+            break
+        last = step(last)
+        for b, t in enumerate(last):
+            if not done[b]:
+                tokens[b].append(t)
+                done[b] = t in stops
+    return {"tokens": tokens, "decode_s": time.perf_counter() - start, "steps": max(len(t) for t in tokens)}
+
+
 @torch.no_grad()
 def decode_batch(
     lm: LoadedModel, caches: Sequence[QuantizedKVCache], first_logits: Sequence[torch.Tensor], steps: int
@@ -98,24 +118,16 @@ def decode_batch(
     Returns {"tokens": per sequence, up to and including its stop token, "decode_s", "steps"}. A sequence
     that has stopped keeps running with the batch (its extra tokens are dropped), so the batch stays B.
     """
-    stops = stop_token_ids(lm)
     batch = BatchedKVCache(caches)
-    last = [int(torch.argmax(logits)) for logits in first_logits]
-    tokens = [[t] for t in last]
-    done = [t in stops for t in last]
-    start = time.perf_counter()
-    for _ in range(steps - 1):
-        if all(done):
-            break
+
+    def step(last: list[int]) -> list[int]:
         ids = torch.tensor([[t] for t in last], device=lm.device)  # [B, 1]
         positions = torch.tensor([[n] for n in batch.lengths()], device=lm.device)  # [B, 1]: each its own
         out = lm.model(input_ids=ids, position_ids=positions, past_key_values=batch, use_cache=True)
-        last = out.logits[:, -1].float().argmax(-1).tolist()  # [B]
-        for b, t in enumerate(last):
-            if not done[b]:
-                tokens[b].append(t)
-                done[b] = t in stops
-    return {"tokens": tokens, "decode_s": time.perf_counter() - start, "steps": max(len(t) for t in tokens)}
+        return out.logits[:, -1].float().argmax(-1).tolist()  # [B]
+
+    first = [int(torch.argmax(logits)) for logits in first_logits]
+    return _greedy(first, step, stop_token_ids(lm), steps)
 
 
 @torch.no_grad()
@@ -127,25 +139,7 @@ def decode_equal(lm: LoadedModel, cache: QuantizedKVCache, first_logits: torch.T
     the DecodeSteps counts (eager, captured, replayed), "graph_blocker": why no step was captured, or None}.
     A sequence that has stopped keeps running with the batch (its extra tokens are dropped).
     """
-    stops = stop_token_ids(lm)
-    batch = first_logits.shape[0]
-    decode = DecodeSteps(lm, cache, new_tokens=steps, batch=batch)
-    last = first_logits.argmax(-1).tolist()  # [B]
-    tokens = [[t] for t in last]
-    done = [t in stops for t in last]
-    start = time.perf_counter()
-    for _ in range(steps - 1):
-        if all(done):
-            break
-        last = decode.step_batch(last).argmax(-1).tolist()  # [B]: the step's one host read
-        for b, t in enumerate(last):
-            if not done[b]:
-                tokens[b].append(t)
-                done[b] = t in stops
-    return {
-        "tokens": tokens,
-        "decode_s": time.perf_counter() - start,
-        "steps": max(len(t) for t in tokens),
-        "graph_steps": dict(decode.counts),
-        "graph_blocker": decode.blocker,
-    }
+    decode = DecodeSteps(lm, cache, new_tokens=steps, batch=first_logits.shape[0])
+    first = first_logits.argmax(-1).tolist()  # [B]
+    run = _greedy(first, lambda last: decode.step_batch(last).argmax(-1).tolist(), stop_token_ids(lm), steps)
+    return run | {"graph_steps": dict(decode.counts), "graph_blocker": decode.blocker}
