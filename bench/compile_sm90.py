@@ -44,8 +44,9 @@ U8 = {"codes_ptr", "kc_ptr", "vc_ptr", "koi_ptr", "voi_ptr"}
 FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr", "qr_ptr", "kts_ptr", "vts_ptr", "cos_ptr", "sin_ptr"}
 I32 = {"lens_ptr"}  # the regions' lengths [S, Q, R], read on the device
 MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # other pointers: fp16 scales
-# strides that are not multiples of 16 in a real cache: sparse outliers' rows (cap entries), nvfp4 tensor scales
-UNALIGNED = {"skod_t", "skoi_t", "svod_t", "svoi_t", "skts_b", "skts_h", "svts_b", "svts_h"}
+# strides that are not multiples of 16 in a real cache: sparse outliers' rows (cap entries), nvfp4 tensor scales,
+# the values' scale and zero rows (stored side by side, `reference.paired_metadata`: 2 elements per token)
+UNALIGNED = {"skod_t", "skoi_t", "svod_t", "svoi_t", "skts_b", "skts_h", "svts_b", "svts_h", "svs_t", "svz_t"}
 PLAIN_FORMATS = [f.name for f in formats.all_formats() if "quantize" in f.kernels]  # what the plain kernel codes
 
 
@@ -152,9 +153,10 @@ def main_loop(sass: str) -> dict:
 
 
 # the loop's instruction mix: SASS opcodes by what they cost a memory-bound loop (the first word after any
-# predicate; LDGSTS is the asynchronous global -> shared copy, LDG a load the warp waits for in registers)
+# predicate; LDGSTS is the asynchronous global -> shared copy, LDG a load the warp waits for in registers;
+# IMAD.MOV is the register copy ptxas issues on the integer pipe, counted with the moves)
 MIX = {
-    "moves": ("MOV", "MOV32I", "SHFL"),
+    "moves": ("MOV", "MOV32I", "SHFL", "IMAD.MOV"),
     "prmt": ("PRMT",),
     "shared_loads": ("LDS", "LDSM"),
     "shared_stores": ("STS",),
@@ -173,6 +175,8 @@ def loop_mix(instructions: list[str]) -> dict:
         if words and words[0].startswith("@"):
             words = words[1:]
         opcode = words[0].split(".")[0] if words else ""
+        if words and words[0].startswith("IMAD.MOV"):
+            opcode = "IMAD.MOV"
         for kind, opcodes in MIX.items():
             if opcode in opcodes:
                 counts[kind] += 1
@@ -297,9 +301,10 @@ def quantize_method_variants(quick: bool) -> list[dict]:
 def unit_strides(consts: dict) -> dict:
     """The decode kernel's token strides that are 1 in a real cache, as constexprs: the JIT turns an integer
     argument equal to 1 into the constant 1, so a variant whose metadata has one group per token (values with
-    V_GROUP == D, per-token keys with K_GROUP == D: rows of one element) runs with these strides known."""
+    V_GROUP == D whose scales are stored alone: fp8, nuq, nvfp4; per-token keys with K_GROUP == D: rows of one
+    element) runs with these strides known. Integer values store a token's scale and zero side by side: 2."""
     ones = {}
-    if consts["V_GROUP"] == consts["D"]:
+    if consts["V_GROUP"] == consts["D"] and (consts["V_FP8"] or consts.get("V_CODE", 0)):
         ones |= {"svs_t": 1, "svz_t": 1}
     if not consts["K_CHANNEL"] and consts["K_GROUP"] == consts["D"]:
         ones |= {"sks_t": 1, "skz_t": 1}
@@ -308,7 +313,9 @@ def unit_strides(consts: dict) -> dict:
 
 def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     """Format pairs x key axis x head_dim x query rows: decode's 16 rows (GQA up to 16) and the most rows
-    `supports_attention` lets through for the head_dim (the tile that needs the most registers)."""
+    `supports_attention` lets through for the head_dim (the tile that needs the most registers); where
+    `launch.direct_keys_allowed` allows it, the plane-split loop's direct-keys form too ("variant", format + " direct
+    keys")."""
     pairs = [("int4", "int4"), ("int8", "int8"), ("int8", "int4"), ("fp8_e4m3", "fp8_e4m3"), ("int2", "int2")]
     if not quick:
         pairs += [("int4", "int8"), ("int8", "int2"), ("fp8_e5m2", "fp8_e5m2")]
@@ -346,6 +353,12 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                         | {"block_m": block_m, "num_warps": warps, "consts": consts}
                         | {"maxnreg": launch.max_registers(spec, head_dim, warps)}
                     )
+                    if launch.direct_keys_allowed(spec, head_dim, warps):  # the loop's other form, a launch setting
+                        rows.append(
+                            rows[-1]
+                            | {"format": rows[-1]["format"] + " direct keys", "variant": "direct keys"}
+                            | {"consts": consts | {"DIRECT_KEYS": True}}
+                        )
     for half in ("bf16", "fp32"):
         rows.append(rows[0] | {"half": half, "format": rows[0]["format"] + f" ({half} query and residual)"})
     rows += method_variants(quick, cc)

@@ -305,17 +305,19 @@ def make_packed(keys: torch.Tensor, values: torch.Tensor, spec):
     (kvdemo.layout: sinks, whole quantized blocks, a full-precision residual below `residual` tokens)."""
     from kvdemo.cache import PackedKV, StoredPart
     from kvdemo.layout import Layout
-    from kvdemo.quant import triton_quantize
+    from kvdemo.quant import reference, triton_quantize
 
     d = keys.shape[-1]
     r = Layout(spec).regions([1] * keys.shape[-2])
 
-    def part(x, fmt, axis, group):
+    def part(x, fmt, axis, group, values=False):
         coded = triton_quantize.quantize(x[:, :, : r.quantized], fmt, axis, group) if r.has_codes else None
+        if values and coded is not None and coded.zero is not None:  # as the cache stores values' metadata
+            coded.scale, coded.zero = reference.paired(coded.scale, coded.zero)
         return StoredPart(x[:, :, : r.sinks], coded, x[:, :, r.residual_start :])
 
     k = part(keys, spec.key_format, spec.key_axis, spec.key_group(d))
-    return PackedKV(spec, r, k, part(values, spec.value_format, "token", spec.value_group(d)))
+    return PackedKV(spec, r, k, part(values, spec.value_format, "token", spec.value_group(d), values=True))
 
 
 def method_packed(keys: torch.Tensor, values: torch.Tensor, spec):
@@ -396,34 +398,40 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
             else:
                 spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
                 kv = make_packed(keys, values, spec)
-            call = lambda q=query, kv=kv: triton_decode.past_attention(q, kv, scale)  # noqa: E731
-            tri_us = time_us(call, device, args.smoke)
-            graphed = graph_fields("triton", call, tri_us, device) | sdpa_graph
-            err = None
-            if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
-                got = triton_decode.past_attention(query, kv, scale)[0]
-                want = reference_attention.past_attention(query, kv, scale)[0]
-                err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-            packed_bytes = triton_decode.kv_bytes_read(kv)
-            rows.append(
-                base
-                | {
-                    "format": fmt,
-                    "precision": spec.label,
-                    "kernel": launch.supports_attention(query, kv),  # False: past_attention handed it to the reference
-                    "triton_us": tri_us,
-                    "sdpa_us": sdpa,
-                    "sdpa_gqa_us": us_gqa,
-                    "sdpa_folded_us": us_fold,
-                    "speedup": sdpa / tri_us,
-                    "memory_bound_limit": bytes16 / packed_bytes,
-                    "triton_gb_s": packed_bytes / tri_us / 1e3,
-                    "sdpa_gb_s": bytes16 / sdpa / 1e3,
-                    "max_err_vs_reference": err,
-                }
-                | graphed
-                | {"speedup_graph": graphed["sdpa_graph_us"] / graphed["triton_graph_us"]}
-            )
+            # the default form, then the plane-split loop's direct-keys form where it applies (`launch.direct_keys_allowed`)
+            forms = [False] + ([True] if launch.direct_keys_allowed(spec, d, launch.launch_config(d, 16)[1]) else [])
+            for direct in forms:
+                call = lambda q=query, kv=kv, direct=direct: triton_decode.past_attention(  # noqa: E731
+                    q, kv, scale, direct_keys=direct
+                )
+                tri_us = time_us(call, device, args.smoke)
+                graphed = graph_fields("triton", call, tri_us, device) | sdpa_graph
+                err = None
+                if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
+                    got = call()[0]
+                    want = reference_attention.past_attention(query, kv, scale)[0]
+                    err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+                packed_bytes = triton_decode.kv_bytes_read(kv)
+                rows.append(
+                    base
+                    | {
+                        "format": fmt,
+                        "precision": spec.label,
+                        "kernel": launch.supports_attention(query, kv),  # False: handed to the reference
+                        "triton_us": tri_us,
+                        "sdpa_us": sdpa,
+                        "sdpa_gqa_us": us_gqa,
+                        "sdpa_folded_us": us_fold,
+                        "speedup": sdpa / tri_us,
+                        "memory_bound_limit": bytes16 / packed_bytes,
+                        "triton_gb_s": packed_bytes / tri_us / 1e3,
+                        "sdpa_gb_s": bytes16 / sdpa / 1e3,
+                        "max_err_vs_reference": err,
+                    }
+                    | ({"variant": "direct keys"} if direct else {})
+                    | graphed
+                    | {"speedup_graph": graphed["sdpa_graph_us"] / graphed["triton_graph_us"]}
+                )
         keys = values = query = kv = None  # free this size before the next
         gc.collect()
         if device.type == "cuda":
@@ -449,26 +457,33 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
     block_n, warps = launch.launch_config(shape["head_dim"], 16, launch.capability(device))
     heads = batch * shape["kv_heads"]
     # tile x warps x stages at the default split, then programs per SM at the default tile
-    settings = [(n, w, st, None) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]]
-    settings += [(block_n, warps, launch.NUM_STAGES, per_sm) for per_sm in SWEEP["programs_per_sm"]]
+    settings = [
+        (n, w, st, None, False) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]
+    ]
+    settings += [(block_n, warps, launch.NUM_STAGES, per_sm, False) for per_sm in SWEEP["programs_per_sm"]]
+    settings += [(block_n, warps, launch.NUM_STAGES, None, True)]  # the direct-keys form (where it applies)
     rows = []
     for fmt in ("int4", "int8"):
-        kv = make_packed(keys, values, parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}"))
-        for n, w, st, per_sm in settings[:2] + settings[-1:] if args.smoke else settings:
+        spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
+        kv = make_packed(keys, values, spec)
+        for n, w, st, per_sm, direct in settings[:2] + settings[-2:] if args.smoke else settings:
+            if direct and not launch.direct_keys_allowed(spec, shape["head_dim"], w):
+                continue
             splits = None if per_sm is None else launch.splits_for(heads, device, per_sm)
 
-            def run(kv=kv, n=n, w=w, st=st, splits=splits):
+            def run(kv=kv, n=n, w=w, st=st, splits=splits, direct=direct):
                 scale = shape["head_dim"] ** -0.5
                 return triton_decode.past_attention(
-                    query, kv, scale, num_splits=splits, block_n=n, num_warps=w, num_stages=st
+                    query, kv, scale, num_splits=splits, block_n=n, num_warps=w, num_stages=st, direct_keys=direct
                 )
 
             us = time_us(run, device, args.smoke)
             graphed = graph_fields("triton", run, us, device) | sdpa_graph
             rows.append(
                 {"format": fmt, "context": ctx, "batch": batch, "block_n": n, "num_warps": w, "num_stages": st}
-                | {"programs_per_sm": per_sm or launch.PROGRAMS_PER_SM, "us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
-                | {"default": (n, w, st, per_sm) == (block_n, warps, launch.NUM_STAGES, None)}
+                | {"programs_per_sm": per_sm or launch.PROGRAMS_PER_SM, "direct_keys": direct}
+                | {"us": us, "speedup": sdpa / us, "sdpa_us": sdpa}
+                | {"default": (n, w, st, per_sm, direct) == (block_n, warps, launch.NUM_STAGES, None, False)}
                 | graphed
                 | {"speedup_graph": graphed["sdpa_graph_us"] / graphed["triton_graph_us"]}
             )
@@ -499,19 +514,20 @@ def bench_floors() -> list[dict]:
 def goals(report: dict) -> dict:
     """Each goal with what was measured; `met` is None where not measured, or in a smoke run."""
 
-    def at_goal(r: dict, fmt: str) -> bool:
-        return r.get("format") == fmt and (r["batch"], r["context"]) == GOAL_POINT
+    def at_goal(r: dict, fmt: str, variant: str | None = None) -> bool:
+        return r.get("format") == fmt and r.get("variant") == variant and (r["batch"], r["context"]) == GOAL_POINT
 
-    def speedup(fmt: str):
+    def speedup(fmt: str, variant: str | None = None):
         for r in report.get("decode", []):
-            if at_goal(r, fmt) and "speedup" in r:
+            if at_goal(r, fmt, variant) and "speedup" in r:
                 return r["speedup"]
         return None
 
     def best_swept(fmt: str):
         rows = [r for r in report.get("sweep", []) if at_goal(r, fmt)]
         best = max(rows, key=lambda r: r["speedup"], default=None)
-        return best and {k: best[k] for k in ("speedup", "block_n", "num_warps", "num_stages", "programs_per_sm")}
+        keys = ("speedup", "block_n", "num_warps", "num_stages", "programs_per_sm", "direct_keys")
+        return best and {k: best.get(k, False) for k in keys}
 
     frac = [r["fraction_of_copy"] for r in report.get("quantize", [])]
     measured = {
@@ -529,6 +545,8 @@ def goals(report: dict) -> dict:
         out |= e2e_goals(report["e2e"], report["smoke"])
     for fmt in ("int4", "int8"):  # judged at the default launch setting; the sweep's best beside it
         out[f"{fmt}_speedup_64k_b8"]["best_launch_setting"] = best_swept(fmt)
+        if (direct := speedup(fmt, "direct keys")) is not None:  # the plane-split loop's other form
+            out[f"{fmt}_speedup_64k_b8"]["direct_keys_speedup"] = direct
         graphed = next((r for r in report.get("decode", []) if at_goal(r, fmt) and "speedup_graph" in r), None)
         if graphed:  # both timed from CUDA graphs (no host gaps), or the eager times where capture failed
             out[f"{fmt}_speedup_64k_b8"]["speedup_graph"] = graphed["speedup_graph"]

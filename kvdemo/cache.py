@@ -3,7 +3,9 @@
 Per layer, positions sit in three regions (sinks, quantized blocks, full-precision residual); which
 position is where, and when a block is quantized, is `kvdemo.layout.Layout`'s rule, stated once there.
 Keys and values are stored alike: each is a `_PartBuffers` (sinks, packed codes with their fp16
-scales/zeros, residual), and attention reads each as a `StoredPart`.
+scales/zeros, residual), and attention reads each as a `StoredPart`. The values' scales and zeros share
+rows (`reference.paired`): with one group a token, a token's scale and zero are one 4-byte word, which the
+decode kernel copies asynchronously with the codes.
 
 `update()` appends and returns a `CacheView` (the layer plus this call's exact keys/values) that
 the registered attention function (kvdemo/attention.py) reads: prefill attends over the exact
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import formats
 from .layout import Layout, Regions
 from .precision import PrecisionSpec, parse_precision
 from .quant import quantize, reference
@@ -220,8 +223,11 @@ class _PartBuffers:
     """Storage of one of a layer's keys / values: sinks, packed codes + metadata (+ sparse outliers, nvfp4
     tensor scales), residual."""
 
-    def __init__(self, fmt: str, axis: str, method: Method | None = None):
+    def __init__(self, fmt: str, axis: str, method: Method | None = None, paired: bool = False):
         self.fmt, self.axis, self.method = fmt, axis, method or Method()
+        # paired: scales and zeros share `scale`'s rows (W scales, then W zeros: `reference.paired`; `zero`
+        # stays empty), for a format with zeros (`launch.paired_values`: the values)
+        self.paired = paired and fmt != formats.FULL and formats.get(fmt).has_zero(axis)
         self.group = 0  # set by `configure` once head_dim is known
         self.sinks: torch.Tensor | None = None  # [B, H, S, D]
         self.codes, self.scale, self.zero = _Growable(), _Growable(), _Growable()
@@ -285,9 +291,12 @@ class _PartBuffers:
             rope=m.rope, start=start, block=m.block,
         )  # fmt: skip
         self.codes.append(q.codes)
-        self.scale.append(q.scale)
-        if q.zero is not None:
-            self.zero.append(q.zero)
+        if self.paired:
+            self.scale.append(torch.cat([q.scale, q.zero], dim=-1))
+        else:
+            self.scale.append(q.scale)
+            if q.zero is not None:
+                self.zero.append(q.zero)
         if q.tensor_scale is not None:
             self.tensor_scale.append(q.tensor_scale)
         if q.outlier_delta is not None:
@@ -300,10 +309,14 @@ class _PartBuffers:
         quantized = None
         if r.has_codes:
             m = self.method
+            scale, zero = self.scale.view(meta_rows), self.zero.view(meta_rows)
+            if self.paired:
+                w = scale.shape[-1] // 2
+                scale, zero = scale[..., :w], scale[..., w:]
             quantized = QuantizedTensor(
                 self.codes.view(code_rows),
-                self.scale.view(meta_rows),
-                self.zero.view(meta_rows),
+                scale,
+                zero,
                 self.fmt,
                 self.axis,
                 self.group,
@@ -356,7 +369,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.lengths: torch.Tensor | None = None  # int32 [S, Q, R] on the device where a kernel reads them
         self._device_lengths = False  # set at the first append: whether kernels read `lengths`
         self.keys = _PartBuffers(spec.key_format, spec.key_axis, copy.copy(key_method))
-        self.values = _PartBuffers(spec.value_format, "token", copy.copy(value_method))
+        self.values = _PartBuffers(spec.value_format, "token", copy.copy(value_method), paired=True)
 
     @property
     def length(self) -> int:  # T

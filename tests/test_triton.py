@@ -396,6 +396,40 @@ def test_plane_split_takes_the_8_and_4_bit_integer_formats():
     )
 
 
+@pytest.mark.parametrize(
+    "spec,grp,head_dim,chunks,splits",
+    [
+        ("int4:g64:r64:s4", 4, 64, [200, 1], 2),  # 64-token tiles in 64-token key blocks, appends
+        ("k8v4:g128:r128:s4", 8, 128, [300], None),  # 8-bit keys, 128-token key blocks: two tiles share a fold
+        ("int4:g32:r32:s2", 3, 32, [90], 3),  # head_dim 32: 16-channel planes
+    ],
+)
+def test_direct_keys_form_gives_the_staged_forms_values(td, spec, grp, head_dim, chunks, splits):
+    """The plane-split loop's direct-keys form (`launch.direct_keys_allowed`: 4-bit values, 4 warps) reorders the same
+    arithmetic: the reference's attention, and the staged form's to fp32 rounding of the sums."""
+    kv = _layer(spec, 2, head_dim, chunks, seed=70 + head_dim).packed()
+    assert launch.direct_keys_allowed(kv.spec, head_dim, 4)
+    query = torch.randn(1, 2 * grp, 1, head_dim, generator=torch.Generator().manual_seed(71))
+    want_out, want_lse = ref_attn.past_attention(query, kv, head_dim**-0.5)
+    out, lse = td.past_attention(query, kv, head_dim**-0.5, num_splits=splits, direct_keys=True)
+    assert_out_close(out, want_out, query, kv, head_dim**-0.5)
+    assert_lse_close(lse, want_lse, query, kv, head_dim**-0.5)
+    staged_out, staged_lse = td.past_attention(query, kv, head_dim**-0.5, num_splits=splits)
+    torch.testing.assert_close(out, staged_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, staged_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_direct_keys_only_where_it_compiles_without_spills():
+    """4-bit values on 4 warps; elsewhere (8-bit values, 8-warp blocks, loops other than plane-split) the call
+    runs the staged form."""
+    allowed = {
+        (s, w): launch.direct_keys_allowed(parse_precision(s), 128, w)
+        for s in ("int4", "k8v4", "int8", "k4v8", "int2", "fp8")
+        for w in (4, 8)
+    }
+    assert {k for k, v in allowed.items() if v} == {("int4", 4), ("k8v4", 4)}
+
+
 def sixteen_bit_attention(query: torch.Tensor, kv, scaling: float, dtype: torch.dtype):
     """(out, lse) of attention as a 16-bit SDPA computes it over the dequantized past: query, keys, values and
     weights rounded to `dtype`, products summed in fp32 (the path a quantized kernel replaces)."""
@@ -407,8 +441,10 @@ def sixteen_bit_attention(query: torch.Tensor, kv, scaling: float, dtype: torch.
     return torch.exp(scores - lse[..., None]).to(dtype).float() @ v, lse
 
 
-@pytest.mark.parametrize("spec", ["int4", "int8", "k8v4"])
-def test_plane_split_scores_need_no_hi_lo_query(td, spec):
+@pytest.mark.parametrize(
+    "spec,direct", [("int4", False), ("int8", False), ("k8v4", False), ("int4", True), ("k8v4", True)]
+)
+def test_plane_split_scores_need_no_hi_lo_query(td, spec, direct):
     """The plane-split loop rounds q * (key scale) to fp16 once per tile, with no hi + lo split. Keys and queries
     with channels spanning decades (scores in the hundreds): its lse stays within `query_rounding_bound`, and
     both its outputs and its lse are closer to the fp32 reference than a bf16 SDPA over the same dequantized
@@ -417,7 +453,7 @@ def test_plane_split_scores_need_no_hi_lo_query(td, spec):
     kv = _layer(spec + ":g128:r128:s4", 2, 128, [700], seed=60).packed()
     query = _keys((1, 8, 1, 128), seed=61) * 0.5
     want_out, want_lse = ref_attn.past_attention(query, kv, 128**-0.5)
-    out, lse = td.past_attention(query, kv, 128**-0.5)
+    out, lse = td.past_attention(query, kv, 128**-0.5, direct_keys=direct)  # direct: the direct-keys form
     assert_lse_close(lse, want_lse, query, kv, 128**-0.5)
     bf16_out, bf16_lse = sixteen_bit_attention(query, kv, 128**-0.5, torch.bfloat16)
     assert float((out - want_out).abs().max()) < float((bf16_out - want_out).abs().max())
@@ -585,9 +621,9 @@ def test_cache_and_attention_through_the_triton_backend(kernel_modules, monkeypa
     (a, outs_a), (b, outs_b) = runs["torch"], runs["triton"]
     assert a.quant_len == b.quant_len == 32
     for part in ("keys", "values"):
+        x, y = (getattr(layer.packed(), part).quantized for layer in (a, b))
         for name in ("codes", "scale", "zero"):
-            x, y = getattr(getattr(a, part), name), getattr(getattr(b, part), name)
-            assert torch.equal(x.view(), y.view()), f"{part}.{name}"
+            assert torch.equal(getattr(x, name), getattr(y, name)), f"{part}.{name}"
     assert isinstance(view, CacheView) and len(outs_a) == 2
     for x, y in zip(outs_a, outs_b, strict=True):
         assert_attention_close(x, y)
@@ -678,6 +714,26 @@ def test_gpu_benchmark_smoke(tmp_path):
     int4 = report["goals"]["int4_speedup_64k_b8"]
     assert int4["floors_ms"]["issue_ms"] == floors["k:int4 v:int4"]["issue_ms"]
     assert "measured_over_issue_floor" not in int4  # smoke times measure nothing
+
+
+def test_gpu_benchmark_times_the_direct_keys_form(tmp_path):
+    """Where the plane-split loop runs (values in one group of head_dim channels, as the GPU run's defaults give
+    them), decode and the sweep time its direct-keys form beside the default one, within the stated bound."""
+    out = tmp_path / "gpu_attention.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env.pop("KVDEMO_BACKEND", None)
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_attention.py"), "--smoke", "--out", str(out)]
+    cmd += ["--sections", "decode,sweep", "--contexts", "160", "--batches", "1", "--formats", "int4,k8v4"]
+    cmd += ["--method-formats", "", "--group", "64", "--residual", "64", "--sweep", "on"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "errors" not in report
+    forms = [(r["format"], r.get("variant")) for r in report["decode"]]
+    assert forms == [("int4", None), ("int4", "direct keys"), ("k8v4", None), ("k8v4", "direct keys")]
+    assert all(r["kernel"] and r["max_err_vs_reference"] < 2e-3 for r in report["decode"])
+    direct = [r for r in report["sweep"] if r["direct_keys"]]
+    assert [r["format"] for r in direct] == ["int4"] and not direct[0]["default"]  # int8's values are 8-bit
 
 
 def _gpu_bench(name: str = "gpu_attention"):

@@ -124,6 +124,14 @@ def test_biased_integer_blocks_give_1024_plus_the_field_at_its_bit_position(bits
     np.testing.assert_array_equal(got, 1024.0 + np.stack(fields, axis=-1).astype(np.float64))
 
 
+def test_one_field_blocks_give_their_plane_of_the_biased_block():
+    """The direct-keys loop's one-output blocks: the low and high nibbles' plane of _PTX_INT4_BIASED, each alone."""
+    _, both = unpack_bytes(ptx._PTX_INT4_BIASED.value, 4)
+    for plane, block in enumerate((ptx._PTX_INT4_LOW_BIASED, ptx._PTX_INT4_HIGH_BIASED)):
+        _, got = unpack_bytes(block.value, 2)
+        np.testing.assert_array_equal(got[..., 0], both[..., plane])
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_blocks_give_the_value_over_256(fmt):
     asm = {"fp8_e4m3": ptx._PTX_E4M3, "fp8_e5m2": ptx._PTX_E5M2}[fmt].value

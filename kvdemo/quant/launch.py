@@ -104,6 +104,12 @@ DECODE_STEP_INTS = ("row0",)  # the lengths are read from the device (lens_ptr),
 MERGE_STEP_INTS = ("n_parts",)
 
 
+def paired_values(spec) -> bool:
+    """Whether the cache stores the values' scales and zeros in shared rows (`reference.paired`: each row its
+    scales, then its zeros; with one group a token, one 4-byte word): values of a format with zero points."""
+    return spec.is_quantized and spec.value.has_zero("token")
+
+
 @functools.lru_cache(maxsize=256)
 def row_widths(spec, head_dim: int) -> dict[str, int]:
     """Elements per token row of each coded tensor the decode kernel reads, as a cache at `spec` stores them
@@ -114,6 +120,8 @@ def row_widths(spec, head_dim: int) -> dict[str, int]:
         return dict.fromkeys(("kc", "ks", "kz", "vc", "vs", "vz", "ko", "vo"), head_dim)
     k_meta = head_dim if spec.key_axis == "channel" else head_dim // spec.key_group(head_dim)
     v_meta = head_dim // spec.value_group(head_dim)
+    if paired_values(spec):  # values' scales and zeros share rows
+        v_meta *= 2
     cap = max(spec.outlier_cap(head_dim), 1)
     k_codes, v_codes = spec.key.packed_width(head_dim), spec.value.packed_width(head_dim)
     return {"kc": k_codes, "ks": k_meta, "kz": k_meta, "vc": v_codes, "vs": v_meta, "vz": v_meta, "ko": cap, "vo": cap}
@@ -145,6 +153,13 @@ def max_registers(spec, head_dim: int, num_warps: int) -> int | None:
     query rows) reach no more warps per SM under any cap above 128, and at head_dim 32 the cap spills
     (`bench/compile_sm90.py` shows each variant)."""
     return MAX_REGISTERS if plane_split(spec, head_dim) and num_warps == 4 and head_dim >= 64 else None
+
+
+def direct_keys_allowed(spec, head_dim: int, num_warps: int) -> bool:
+    """Whether the plane-split loop can take its direct-keys form (`triton_decode._plane_split_tiles`, DIRECT): 4-bit
+    values on 4 warps, where it compiles without spills with triton 3.6 and 3.9 (with 8-bit values at head_dim
+    128 it spills under the register cap with 3.9; `bench/compile_sm90.py` shows each variant)."""
+    return plane_split(spec, head_dim) and spec.value.bits == 4 and num_warps == 4
 
 
 def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:
@@ -245,6 +260,9 @@ def scratch(device: torch.device, numel: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=16)
 def stand_ins(device: torch.device) -> dict[str, torch.Tensor]:
     """One-element tensors passed where a cache holds no such tensor (the kernel never reads them), by dtype:
-    made once per device, not per call."""
-    return {name: torch.empty(1, dtype=dtype, device=device) for name, dtype in
+    made once per device, not per call. "fp16_unaligned" stands in for the zeros of values whose scales and
+    zeros share rows (`reference.paired`): their address is a scale row's width past an aligned one, and Triton
+    compiles a variant per pointer alignment (16 bytes or not)."""
+    made = {name: torch.empty(1, dtype=dtype, device=device) for name, dtype in
             (("u8", torch.uint8), ("fp16", torch.float16), ("fp32", torch.float32))}  # fmt: skip
+    return made | {"fp16_unaligned": torch.empty(2, dtype=torch.float16, device=device)[1:]}

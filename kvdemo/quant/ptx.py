@@ -11,7 +11,9 @@ instructions per code instead of 3-4. `prmt` with 0x64 high bytes makes the fp16
 x < 1024); an fma that takes off 1024 and undoes the field's bit position leaves x. The blocks are
 marked side-effecting on purpose: that stops Triton from tracing the dots' operands back to the 8-bit
 loads and laying both dots out for 8-bit data (register moves for the query on every tile, softmax
-weights through shared memory).
+weights through shared memory). The direct-keys form of the plane-split loop wants that tracing for its key
+codes (no trip through shared memory between unpacking and the dot): `_ptx_traced` runs one-output blocks
+(`_PTX_INT4_LOW_BIASED`, `_PTX_INT4_HIGH_BIASED`, `_PTX_INT8_BIASED`) marked pure.
 
 nuq codebooks: the fp16 levels are picked in registers by byte permutes (`_PTX_NUQ4`, `_PTX_NUQ3`,
 `_PTX_NUQ2`, which int3 shares with the codebook 0..7: `_INT3_HI0`, `_INT3_HI1`) from words of the
@@ -34,25 +36,27 @@ def _fp16x2(x: float) -> str:
     return f"0x{half:04X}{half:04X}"
 
 
-def _int_fields_ptx(bits: int, biased: bool = False) -> str:
+def _int_fields_ptx(bits: int, biased: bool = False, only: int | None = None) -> str:
     """The PTX block for an integer format: the 8 // bits bit fields of each of 4 bytes as fp16 codes, field p
     (bits [p * bits, (p + 1) * bits)) in outputs 2p, 2p + 1. The masked field c sits at c * 2^(p * bits), so
     prmt makes 1024 + c * 2^(p * bits), and an fma by 2^-(p * bits) minus 1024 * 2^-(p * bits) leaves c
     (field 0: minus 1024). biased: the prmt's 1024 + c * 2^(p * bits) as it is (the caller folds the offset
-    and the field's scale into the other operand: 2 prmt per 4 codes and a mask per field, nothing more)."""
-    fields = 8 // bits
-    src = f"${2 * fields}"
+    and the field's scale into the other operand: 2 prmt per 4 codes and a mask per field, nothing more).
+    only: field `only` alone, in outputs 0 and 1 (a block of one output, which Triton can trace through)."""
+    fields = [only] if only is not None else list(range(8 // bits))
+    src = f"${2 * len(fields)}"
     lines = ["{", ".reg .b32 a, b, t, s, z;"]
-    for p in range(fields):
+    for out, p in enumerate(fields):
         unit = 2.0 ** -(p * bits)
         field = src
         if bits < 8:
             lines.append(f"and.b32 t, {src}, 0x{(((1 << bits) - 1) << (p * bits)) * 0x01010101:08X};")
             field = "t"
         if biased:
-            lines += [f"prmt.b32 ${2 * p}, {field}, 0x64646464, 0x5150;"]
-            lines += [f"prmt.b32 ${2 * p + 1}, {field}, 0x64646464, 0x5352;"]
+            lines += [f"prmt.b32 ${2 * out}, {field}, 0x64646464, 0x5150;"]
+            lines += [f"prmt.b32 ${2 * out + 1}, {field}, 0x64646464, 0x5352;"]
             continue
+        assert only is None, "a single field comes biased"
         lines += [f"prmt.b32 a, {field}, 0x64646464, 0x5150;", f"prmt.b32 b, {field}, 0x64646464, 0x5352;"]
         if p == 0:  # the field at bit 0: just take off 1024 (a subtract takes its constant as an immediate)
             lines += [f"mov.b32 z, {_fp16x2(1024.0)};", "sub.f16x2 $0, a, z;", "sub.f16x2 $1, b, z;"]
@@ -67,6 +71,8 @@ _PTX_INT4 = tl.constexpr(_int_fields_ptx(4))  # outputs: low nibbles ($0, $1), h
 _PTX_INT2 = tl.constexpr(_int_fields_ptx(2))  # outputs: bits 0-1, 2-3, 4-5, 6-7 of each byte
 _PTX_INT8_BIASED = tl.constexpr(_int_fields_ptx(8, biased=True))  # 1024 + c
 _PTX_INT4_BIASED = tl.constexpr(_int_fields_ptx(4, biased=True))  # 1024 + c (low nibbles), 1024 + 16 c (high)
+_PTX_INT4_LOW_BIASED = tl.constexpr(_int_fields_ptx(4, biased=True, only=0))  # 1024 + c of the low nibbles
+_PTX_INT4_HIGH_BIASED = tl.constexpr(_int_fields_ptx(4, biased=True, only=1))  # 1024 + 16 c of the high nibbles
 _PTX_E5M2 = tl.constexpr("""{
 .reg .b32 a, b, u;
 mov.b32 u, 0x1C001C00;
@@ -179,6 +185,14 @@ def _ptx(byte, ASM: tl.constexpr, OUTPUTS: tl.constexpr):
         return tl.inline_asm_elementwise(
             ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [byte], dtype=(tl.float16,) * 4, is_pure=False, pack=4
         )
+
+
+@triton.jit
+def _ptx_traced(byte, ASM: tl.constexpr):
+    """A one-output _PTX_* block over uint8 `byte`, marked pure: Triton then traces a dot operand made by it
+    back to the bytes' load and reads them from the asynchronous copy's buffer straight into the tensor
+    cores' layout, with no second trip through shared memory (it lays the dot out for 8-bit data)."""
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [byte], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit

@@ -93,6 +93,30 @@ class QuantizedTensor:
         }
 
 
+def paired(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [..., W] fp16 as the two halves of one [..., 2W] tensor (each row: W scales, then W zeros), how
+    the cache stores values' metadata: a token's scale and zero of one group are then one 4-byte word, which the
+    decode kernel copies asynchronously (a 2-byte load it would wait on). One copy unless already so."""
+    if is_paired(scale, zero):
+        return scale, zero
+    w = scale.shape[-1]
+    both = torch.cat([scale, zero], dim=-1)
+    return both[..., :w], both[..., w:]
+
+
+def is_paired(scale: torch.Tensor, zero: torch.Tensor | None) -> bool:
+    """Whether `zero` sits right after `scale` in each row of one tensor (`paired`)."""
+    w = scale.shape[-1]
+    return (
+        zero is not None
+        and zero.shape == scale.shape
+        and zero.stride() == scale.stride()
+        and scale.stride(-1) == 1
+        and zero.data_ptr() == scale.data_ptr() + w * scale.element_size()
+        and (scale.shape[-2] <= 1 or scale.stride(-2) == 2 * w)
+    )
+
+
 def code_bits(fmt: str) -> int:
     return formats.get(fmt).bits
 

@@ -31,6 +31,8 @@ from .ptx import (
     _PTX_INT2,
     _PTX_INT4,
     _PTX_INT4_BIASED,
+    _PTX_INT4_HIGH_BIASED,
+    _PTX_INT4_LOW_BIASED,
     _PTX_INT8,
     _PTX_INT8_BIASED,
     _codebook_word,
@@ -38,6 +40,7 @@ from .ptx import (
     _ptx_bit_sliced,
     _ptx_nuq2,
     _ptx_nuq4,
+    _ptx_traced,
 )
 from .reference import FP16_MAX
 
@@ -151,6 +154,19 @@ def _int_planes(byte, BITS: tl.constexpr, BIASED: tl.constexpr, PTX: tl.constexp
             if BIASED:
                 lo, hi = lo + 1024.0, hi * 16.0 + 1024.0
         return lo, hi
+
+
+@triton.jit
+def _int_planes_traced(byte, BITS: tl.constexpr, PTX: tl.constexpr):
+    """`_int_planes` biased, for the direct-keys loop: compiled for NVIDIA, each plane by its own one-output block
+    marked pure (`_ptx_traced`), so the dot that takes a plane reads its bytes from the asynchronous copy's
+    buffer in the tensor cores' layout; the same values otherwise."""
+    if PTX:
+        if BITS == 8:
+            c = _ptx_traced(byte, _PTX_INT8_BIASED)
+            return c, c
+        return _ptx_traced(byte, _PTX_INT4_LOW_BIASED), _ptx_traced(byte, _PTX_INT4_HIGH_BIASED)
+    return _int_planes(byte, BITS, True, PTX)
 
 
 @triton.jit

@@ -40,6 +40,8 @@ flash-decoding (split-K over the sequence with a log-sum-exp merge).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -53,10 +55,12 @@ from .launch import (
     _block_m,
     capability,
     decode_constants,
+    direct_keys_allowed,
     fold_once,
     launch_config,
     max_registers,
     method_kind,
+    paired_values,
     ptx_unpacking,
     row_widths,
     scratch,
@@ -64,12 +68,13 @@ from .launch import (
     stand_ins,
     supports_attention,
 )
-from .reference import QuantizedTensor
+from .reference import QuantizedTensor, is_paired, paired
 from .triton_codes import (
     _FP8_UNIT,
     _FP16_MAX,
     _dequantize_rows,
     _int_planes,
+    _int_planes_traced,
     _nvfp4_scales,
     _outlier_tile,
     _pow2,
@@ -162,6 +167,20 @@ RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit
+def _value_planes(vc_base, vs_base, svc_t, svs_t, pos, valid, VDP: tl.constexpr, V_BITS, PTX):
+    """A tile's values at positions pos [BN] (rows outside `valid` read as 0), one group per token: code planes
+    v0, v1 [BN, VDP] fp16 (8 bits: one plane, twice) and scale, zero [BN] fp16. A token's scale and zero are
+    stored side by side (`reference.paired_metadata`) and read as one 4-byte word, which the loop's pipeline
+    copies asynchronously with the codes (2-byte loads cannot be: a thread would wait on each)."""
+    vbyte = tl.load(vc_base + pos[:, None] * svc_t + tl.arange(0, VDP)[None, :], mask=valid[:, None], other=0)
+    v0, v1 = _int_planes(vbyte, V_BITS, False, PTX)
+    word = tl.load((vs_base + pos * svs_t).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
+    vs = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # the low half: the scale
+    vz = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return v0, v1, vs, vz
+
+
+@triton.jit
 def _plane_split_tiles(
     q_rows,
     row_ok,
@@ -189,6 +208,7 @@ def _plane_split_tiles(
     V_BITS: tl.constexpr,
     K_GROUP: tl.constexpr,
     PTX: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     """Quantized tiles [t_begin, t_end) of 8- or 4-bit integer keys per channel and values per token (one group
     of D channels), plane by plane: byte j of a packed row holds channels j (low nibble) and KDP + j (high
@@ -204,14 +224,22 @@ def _plane_split_tiles(
     softmax weights are taken against a reference that moves only when a row's max passes it by more than
     2^RESCALE_LOG2 (weights up to 2^8, fp16 keeps them to 2^-11 relative). Values are
     dequantized per plane in fp16 (s_t c + z_t), as in the first loop. Returns (acc [BM, D] fp32, m_i, l_i),
-    log2 domain."""
+    log2 domain.
+
+    DIRECT (`launch.direct_keys_allowed`, the same values in another order): the key tile is loaded transposed and each
+    plane unpacked by a block Triton traces through (`_int_planes_traced`), so the dot reads the codes from the
+    asynchronous copy's buffer straight into the tensor cores' layout (no store, barrier and reload between
+    unpacking and the dot); the folded query is kept in registers across a key block; the value tile comes
+    first, its two planes joined into one [BN, D] fp16 tile for one dot, so its bytes are waited for with the
+    keys' and it goes to shared memory before the softmax's exchange across warps (one barrier for both).
+    Fewer barriers and shared-memory trips, more register moves (the dots are laid out for 8-bit data):
+    `bench/compile_sm90.py` counts both, the GPU benchmark times both."""
     K_PL: tl.constexpr = 8 // K_BITS  # planes of D / K_PL channels each (8 bits: 1, 4 bits: 2)
     V_PL: tl.constexpr = 8 // V_BITS
     KDP: tl.constexpr = D // K_PL
     VDP: tl.constexpr = D // V_PL
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, KDP)
-    offs_v = tl.arange(0, VDP)
     # 4-bit keys: the query in the log2 domain rounded to fp16 once, [BM, KDP] per plane (the high nibbles come
     # as 1024 + 16 c: their plane's query takes the 1/16), times the key scales in fp16 (rounded once more).
     # 8-bit keys (one plane of D channels, registers at the cap): the fp32 query times fp32 scales, rounded once
@@ -226,8 +254,13 @@ def _plane_split_tiles(
     else:
         ks0 = tl.zeros([KDP], dtype=tl.float32)
     ks1 = ks0
-    acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
-    acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values
+    if DIRECT:
+        qs0 = tl.zeros([BLOCK_M, KDP], dtype=tl.float16)  # the folded query, kept across a key block's tiles
+        qs1 = qs0
+        acc0 = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
+    acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values (not DIRECT)
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: exp2(-inf - m_i) is 0, never nan
     qz = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # softmax weights summed per row and tile column
@@ -249,20 +282,32 @@ def _plane_split_tiles(
                 kz = tl.load(kz_base + blk * skz_t + KDP + offs_k).to(tl.float32)
                 qz_c += 16.0 * (q1.to(tl.float32) * kz[None, :] - 64.0 * (q1 * ks1[None, :]).to(tl.float32))
             qz = tl.sum(qz_c, 1)  # [BM]
-        qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
-        qs1 = (q1 * ks1[None, :]).to(tl.float16)
-        kbyte = tl.load(kc_base + pos[:, None] * skc_t + offs_k[None, :], mask=valid[:, None], other=0)
-        k0, k1 = _int_planes(kbyte, K_BITS, True, PTX)  # [BN, KDP] fp16 each, 1024 + c (+ 16 c)
-        s = tl.dot(qs0, tl.trans(k0))  # [BM, BN]
-        if K_PL == 2:
-            s = tl.dot(qs1, tl.trans(k1), s)
+            if DIRECT:
+                qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
+                qs1 = (q1 * ks1[None, :]).to(tl.float16)
+        if DIRECT:
+            v0, v1, vs, vz = _value_planes(vc_base, vs_base, svc_t, svs_t, pos, valid, VDP, V_BITS, PTX)
+            vt = v0 * vs[:, None] + vz[:, None]  # [BN, VDP] fp16, s c + z
+            if V_PL == 2:  # [BN, D]: channels [0, VDP) from the low nibbles, [VDP, D) from the high ones
+                vt = tl.reshape(tl.permute(tl.join(vt, v1 * vs[:, None] + vz[:, None]), (0, 2, 1)), (BLOCK_N, D))
+            kbyte = tl.load(kc_base + pos[None, :] * skc_t + offs_k[:, None], mask=valid[None, :], other=0)
+            k0, k1 = _int_planes_traced(kbyte, K_BITS, PTX)  # [KDP, BN] fp16 each, 1024 + c (+ 16 c)
+            s = tl.dot(qs0, k0)  # [BM, BN]
+            if K_PL == 2:
+                s = tl.dot(qs1, k1, s)
+        else:
+            qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
+            qs1 = (q1 * ks1[None, :]).to(tl.float16)
+            kbyte = tl.load(kc_base + pos[:, None] * skc_t + offs_k[None, :], mask=valid[:, None], other=0)
+            k0, k1 = _int_planes(kbyte, K_BITS, True, PTX)  # [BN, KDP] fp16 each, 1024 + c (+ 16 c)
+            s = tl.dot(qs0, tl.trans(k0))  # [BM, BN]
+            if K_PL == 2:
+                s = tl.dot(qs1, tl.trans(k1), s)
         # s + qz is the score; qz is the same across a row, so it goes on the row's max instead of on s
         if (start < S) or (start + BLOCK_N > Q):  # only a program's first or last tile holds rows to mask
             s = tl.where(valid[None, :], s, float("-inf"))
-        vbyte = tl.load(vc_base + pos[:, None] * svc_t + offs_v[None, :], mask=valid[:, None], other=0)
-        v0, v1 = _int_planes(vbyte, V_BITS, False, PTX)  # [BN, VDP] fp16 each
-        vs = tl.load(vs_base + pos * svs_t, mask=valid, other=0.0)  # [BN] fp16, one group per token
-        vz = tl.load(vz_base + pos * svz_t, mask=valid, other=0.0)
+        if not DIRECT:
+            v0, v1, vs, vz = _value_planes(vc_base, vs_base, svc_t, svs_t, pos, valid, VDP, V_BITS, PTX)
         m_tile = tl.max(s, 1) + qz  # [BM]; -inf for a row masked throughout
         # the weights are taken against m_i, which moves (rescaling acc and l_t) only when a row's max passes
         # it by more than RESCALE_LOG2, so p <= 2^RESCALE_LOG2; a program's first tile always moves it
@@ -276,11 +321,16 @@ def _plane_split_tiles(
         p = tl.exp2(s - (m_i - qz)[:, None])  # [BM, BN]
         l_t += p  # row sums after the loop: no reduction across warps per tile
         p16 = p.to(tl.float16)
-        acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0)  # values: fp16 s c + z
-        if V_PL == 2:
-            acc1 = tl.dot(p16, v1 * vs[:, None] + vz[:, None], acc1)
+        if DIRECT:
+            acc0 = tl.dot(p16, vt, acc0)
+        else:
+            acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0)  # values: fp16 s c + z
+            if V_PL == 2:
+                acc1 = tl.dot(p16, v1 * vs[:, None] + vz[:, None], acc1)
     l_i = tl.sum(l_t, 1)
-    if V_PL == 2:
+    if DIRECT:
+        acc = acc0
+    elif V_PL == 2:
         acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_M, D))
     else:
         acc = tl.reshape(acc0, (BLOCK_M, D))
@@ -393,6 +443,7 @@ def _decode_split_kernel(
     K_ROTATED: tl.constexpr = False,
     K_ROPE: tl.constexpr = 0,
     PLANE_SPLIT: tl.constexpr = False,
+    DIRECT_KEYS: tl.constexpr = False,
 ):
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
@@ -413,6 +464,7 @@ def _decode_split_kernel(
     [B, H, rows, cap]); K_ROTATED: the codes see the query qr_ptr (fp32 q @ R, the layout of q; values'
     rotation is undone on the partial outputs by the caller); K_ROPE: rotary dim of pre-RoPE keys, turned
     by cos/sin fp32 [rows, K_ROPE] (row stride scs_t) after dequantizing the tile.
+    DIRECT_KEYS: the plane-split loop's direct-keys form (`_plane_split_tiles`; the same values).
     """
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -501,6 +553,7 @@ def _decode_split_kernel(
             V_BITS,
             K_GROUP,
             PTX,
+            DIRECT_KEYS,
         )
     else:
         KDP: tl.constexpr = D * K_BITS // 8
@@ -704,6 +757,7 @@ def past_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = NUM_STAGES,
+    direct_keys: bool = False,
 ):
     """Fused decode attention of `query` over one layer's packed past (twin of `reference.past_attention`).
 
@@ -714,6 +768,8 @@ def past_attention(
     block_n (tokens per tile, a power of two, capped by the key group), num_warps (defaults: `launch_config`)
     and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them). The
     default tile is halved, once per shape, on a GPU whose shared memory per block cannot hold it.
+    direct_keys: the plane-split loop's direct-keys form where `launch.direct_keys_allowed` says so (a launch setting
+    too: the same values; elsewhere the call runs as without it).
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
     `supports_attention`, is handed to the reference (the decode path never passes a mask).
     """
@@ -731,13 +787,14 @@ def past_attention(
     spec = kv.spec
     methods = (spec.outliers, spec.pre_rope, spec.hadamard)
     fits_key = (query.device, d, block_m, spec.key_format, spec.value_format, spec.key_axis, methods, query.dtype)
-    fits_key += (num_stages,)
+    fits_key += (num_stages, direct_keys)
     block_n = block_n or _FITTING_BLOCK_N.get(fits_key, default_n)
     while True:
         try:
             warps = num_warps or default_warps
+            direct = direct_keys and direct_keys_allowed(spec, d, warps)
             out, lse = _launch_decode(
-                query, kv, scaling, block_n, block_m, num_splits, warps, num_stages, fold_once(d, cc)
+                query, kv, scaling, block_n, block_m, num_splits, warps, num_stages, fold_once(d, cc), direct
             )
             break
         except triton.runtime.errors.OutOfResources:
@@ -752,7 +809,7 @@ def past_attention(
 _FITTING_BLOCK_N: dict[tuple, int] = {}  # default tiles halved to fit a GPU's shared memory, per shape
 
 
-def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, num_stages, keep_fold):
+def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, num_stages, keep_fold, direct=False):
     """The two launches of `past_attention` for one tile size: the split kernel, then the merge."""
     b, hq, n, d = query.shape
     hkv, r = kv.kv_heads, kv.regions
@@ -760,6 +817,9 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     s_len, q_len, r_len = r.sinks, r.quantized, r.residual
     quant = r.has_codes
     keys, values = kv.keys.quantized, kv.values.quantized  # QuantizedTensor, or None without codes
+    if quant and values.zero is not None and not is_paired(values.scale, values.zero):  # not from the cache:
+        values = replace(values)  # pair them as the cache does (the plane-split loop reads one word a token)
+        values.scale, values.zero = paired(values.scale, values.zero)
     block_n = min(block_n, MAX_BLOCK_N)
     if kv.spec.is_quantized and kv.spec.key_axis == "channel":  # tiles stay inside one key block
         block_n = min(block_n, kv.spec.key_group(d))
@@ -793,6 +853,8 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     if k_rope:
         cos, sin = keys.rope.tables(keys.start, keys.start + keys.codes.shape[-2], query.device)  # [rows, rd]
     rows = row_widths(kv.spec, d)
+    # paired values' zeros sit a row of scales (rows["vs"] / 2 elements) past them: aligned to 16 bytes or not
+    no_vz = absent["fp16_unaligned"] if paired_values(kv.spec) and (rows["vs"] // 2) % 8 else no_meta
     k_cap = keys.outlier_index.shape[-1] if quant and keys.outlier_index is not None else 0
     v_cap = values.outlier_index.shape[-1] if quant and values.outlier_index is not None else 0
     _decode_split_kernel[(parts, b * hkv)](
@@ -807,7 +869,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         *_arg(keys.zero if quant else None, no_meta, rows["kz"]),
         *_arg(values.codes if quant else None, no_codes, rows["vc"]),
         *_arg(values.scale if quant else None, no_meta, rows["vs"]),
-        *_arg(values.zero if quant else None, no_meta, rows["vz"]),
+        *_arg(values.zero if quant else None, no_vz, rows["vz"]),
         q_rot if k_rot else q_arg,
         _levels(keys) if quant and keys.levels is not None else no_meta,
         _levels(values) if quant and values.levels is not None else no_meta,
@@ -839,6 +901,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         PTX=ptx_unpacking(),
         FOLD_ONCE=keep_fold,
         **decode_constants(kv.spec, d, block_n, cos.shape[-1] if k_rope else 0),
+        **({"DIRECT_KEYS": True} if direct else {}),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": cap} if (cap := max_registers(kv.spec, d, num_warps)) else {}),
