@@ -302,10 +302,13 @@ def unit_strides(consts: dict) -> dict:
     """The decode kernel's token strides that are 1 in a real cache, as constexprs: the JIT turns an integer
     argument equal to 1 into the constant 1, so a variant whose metadata has one group per token (values with
     V_GROUP == D whose scales are stored alone: fp8, nuq, nvfp4; per-token keys with K_GROUP == D: rows of one
-    element) runs with these strides known. Integer values store a token's scale and zero side by side: 2."""
+    element) runs with these strides known. Integer values store a token's scale and zero side by side: 2
+    elements, which the plane-split loop is given as its stride in 4-byte words, 1 (`triton_decode._value_planes`)."""
     ones = {}
     if consts["V_GROUP"] == consts["D"] and (consts["V_FP8"] or consts.get("V_CODE", 0)):
         ones |= {"svs_t": 1, "svz_t": 1}
+    if consts.get("PLANE_SPLIT"):
+        ones |= {"svs_t": 1}
     if not consts["K_CHANNEL"] and consts["K_GROUP"] == consts["D"]:
         ones |= {"sks_t": 1, "skz_t": 1}
     return ones

@@ -167,14 +167,14 @@ RESCALE_LOG2 = tl.constexpr(8.0)
 
 
 @triton.jit
-def _value_planes(vc_base, vs_base, svc_t, svs_t, pos, valid, VDP: tl.constexpr, V_BITS, PTX):
+def _value_planes(vc_base, vs_base, svc_t, svw_t, pos, valid, VDP: tl.constexpr, V_BITS, PTX):
     """A tile's values at positions pos [BN] (rows outside `valid` read as 0), one group per token: code planes
     v0, v1 [BN, VDP] fp16 (8 bits: one plane, twice) and scale, zero [BN] fp16. A token's scale and zero are
-    stored side by side (`reference.paired_metadata`) and read as one 4-byte word, which the loop's pipeline
-    copies asynchronously with the codes (2-byte loads cannot be: a thread would wait on each)."""
+    stored side by side (`reference.paired`) and read as one 4-byte word (svw_t: the row stride in words), which
+    the loop's pipeline copies asynchronously with the codes (2-byte loads cannot be: a thread waits on each)."""
     vbyte = tl.load(vc_base + pos[:, None] * svc_t + tl.arange(0, VDP)[None, :], mask=valid[:, None], other=0)
     v0, v1 = _int_planes(vbyte, V_BITS, False, PTX)
-    word = tl.load((vs_base + pos * svs_t).to(tl.pointer_type(tl.int32)), mask=valid, other=0)
+    word = tl.load(vs_base.to(tl.pointer_type(tl.int32)) + pos * svw_t, mask=valid, other=0)
     vs = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)  # the low half: the scale
     vz = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     return v0, v1, vs, vz
@@ -230,8 +230,8 @@ def _plane_split_tiles(
     plane unpacked by a block Triton traces through (`_int_planes_traced`), so the dot reads the codes from the
     asynchronous copy's buffer straight into the tensor cores' layout (no store, barrier and reload between
     unpacking and the dot); the folded query is kept in registers across a key block; the value tile comes
-    first, its two planes joined into one [BN, D] fp16 tile for one dot, so its bytes are waited for with the
-    keys' and it goes to shared memory before the softmax's exchange across warps (one barrier for both).
+    first and is dequantized at once, so its bytes are waited for with the keys' and it goes to shared memory
+    before the softmax's exchange across warps (one barrier for both).
     Fewer barriers and shared-memory trips, more register moves (the dots are laid out for 8-bit data):
     `bench/compile_sm90.py` counts both, the GPU benchmark times both."""
     K_PL: tl.constexpr = 8 // K_BITS  # planes of D / K_PL channels each (8 bits: 1, 4 bits: 2)
@@ -257,10 +257,8 @@ def _plane_split_tiles(
     if DIRECT:
         qs0 = tl.zeros([BLOCK_M, KDP], dtype=tl.float16)  # the folded query, kept across a key block's tiles
         qs1 = qs0
-        acc0 = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    else:
-        acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
-    acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values (not DIRECT)
+    acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
+    acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: exp2(-inf - m_i) is 0, never nan
     qz = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # softmax weights summed per row and tile column
@@ -285,11 +283,9 @@ def _plane_split_tiles(
             if DIRECT:
                 qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
                 qs1 = (q1 * ks1[None, :]).to(tl.float16)
-        if DIRECT:
+        if DIRECT:  # the values first, dequantized now (fp16 s c + z): stored before the softmax's exchange
             v0, v1, vs, vz = _value_planes(vc_base, vs_base, svc_t, svs_t, pos, valid, VDP, V_BITS, PTX)
-            vt = v0 * vs[:, None] + vz[:, None]  # [BN, VDP] fp16, s c + z
-            if V_PL == 2:  # [BN, D]: channels [0, VDP) from the low nibbles, [VDP, D) from the high ones
-                vt = tl.reshape(tl.permute(tl.join(vt, v1 * vs[:, None] + vz[:, None]), (0, 2, 1)), (BLOCK_N, D))
+            v0, v1 = v0 * vs[:, None] + vz[:, None], v1 * vs[:, None] + vz[:, None]
             kbyte = tl.load(kc_base + pos[None, :] * skc_t + offs_k[:, None], mask=valid[None, :], other=0)
             k0, k1 = _int_planes_traced(kbyte, K_BITS, PTX)  # [KDP, BN] fp16 each, 1024 + c (+ 16 c)
             s = tl.dot(qs0, k0)  # [BM, BN]
@@ -321,16 +317,13 @@ def _plane_split_tiles(
         p = tl.exp2(s - (m_i - qz)[:, None])  # [BM, BN]
         l_t += p  # row sums after the loop: no reduction across warps per tile
         p16 = p.to(tl.float16)
-        if DIRECT:
-            acc0 = tl.dot(p16, vt, acc0)
-        else:
-            acc0 = tl.dot(p16, v0 * vs[:, None] + vz[:, None], acc0)  # values: fp16 s c + z
-            if V_PL == 2:
-                acc1 = tl.dot(p16, v1 * vs[:, None] + vz[:, None], acc1)
+        if not DIRECT:
+            v0, v1 = v0 * vs[:, None] + vz[:, None], v1 * vs[:, None] + vz[:, None]  # values: fp16 s c + z
+        acc0 = tl.dot(p16, v0, acc0)
+        if V_PL == 2:
+            acc1 = tl.dot(p16, v1, acc1)
     l_i = tl.sum(l_t, 1)
-    if DIRECT:
-        acc = acc0
-    elif V_PL == 2:
+    if V_PL == 2:
         acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_M, D))
     else:
         acc = tl.reshape(acc0, (BLOCK_M, D))
@@ -853,6 +846,9 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     if k_rope:
         cos, sin = keys.rope.tables(keys.start, keys.start + keys.codes.shape[-2], query.device)  # [rows, rd]
     rows = row_widths(kv.spec, d)
+    vs_args = _arg(values.scale if quant else None, no_meta, rows["vs"])
+    if decode_constants(kv.spec, d, block_n, 0).get("PLANE_SPLIT"):  # it steps over (scale, zero) words: the
+        vs_args = (*vs_args[:3], vs_args[3] // 2)  # row stride in words, 1 (the JIT makes it a constant)
     # paired values' zeros sit a row of scales (rows["vs"] / 2 elements) past them: aligned to 16 bytes or not
     no_vz = absent["fp16_unaligned"] if paired_values(kv.spec) and (rows["vs"] // 2) % 8 else no_meta
     k_cap = keys.outlier_index.shape[-1] if quant and keys.outlier_index is not None else 0
@@ -868,7 +864,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         *_arg(keys.scale if quant else None, no_meta, rows["ks"]),
         *_arg(keys.zero if quant else None, no_meta, rows["kz"]),
         *_arg(values.codes if quant else None, no_codes, rows["vc"]),
-        *_arg(values.scale if quant else None, no_meta, rows["vs"]),
+        *vs_args,
         *_arg(values.zero if quant else None, no_vz, rows["vz"]),
         q_rot if k_rot else q_arg,
         _levels(keys) if quant and keys.levels is not None else no_meta,
