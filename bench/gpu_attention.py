@@ -312,8 +312,8 @@ def make_packed(keys: torch.Tensor, values: torch.Tensor, spec):
 
     def part(x, fmt, axis, group, values=False):
         coded = triton_quantize.quantize(x[:, :, : r.quantized], fmt, axis, group) if r.has_codes else None
-        if values and coded is not None and coded.zero is not None:  # as the cache stores values' metadata
-            coded.scale, coded.zero = reference.paired(coded.scale, coded.zero)
+        if values and coded is not None:  # as the cache stores values' metadata
+            coded = reference.paired(coded)
         return StoredPart(x[:, :, : r.sinks], coded, x[:, :, r.residual_start :])
 
     k = part(keys, spec.key_format, spec.key_axis, spec.key_group(d))

@@ -325,6 +325,7 @@ class _PartBuffers:
                 rotation=m.rotation,
                 rope=m.rope,
                 block=m.block,
+                paired=self.paired,
             )
             if m.block:  # nvfp4: the blocks of code rows [0, code_rows)
                 quantized.tensor_scale = self.tensor_scale.view(-(-code_rows // m.block))

@@ -37,7 +37,7 @@ References: KIVI (arXiv 2402.02750), KVQuant (arXiv 2401.18079), QuaRot (arXiv 2
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -75,6 +75,7 @@ class QuantizedTensor:
     rotation: torch.Tensor | None = None  # fp32 [D, D]: stored = x @ rotation
     rope: object = None  # rotations.Rope: stored keys are before RoPE
     start: int = 0  # absolute position of row 0 (RoPE, nvfp4 blocks)
+    paired: bool = False  # scale and zero are the halves of one tensor's rows (`paired`)
 
     @property
     def plain(self) -> bool:
@@ -93,28 +94,16 @@ class QuantizedTensor:
         }
 
 
-def paired(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) [..., W] fp16 as the two halves of one [..., 2W] tensor (each row: W scales, then W zeros), how
-    the cache stores values' metadata: a token's scale and zero of one group are then one 4-byte word, which the
-    decode kernel copies asynchronously (a 2-byte load it would wait on). One copy unless already so."""
-    if is_paired(scale, zero):
-        return scale, zero
-    w = scale.shape[-1]
-    both = torch.cat([scale, zero], dim=-1)
-    return both[..., :w], both[..., w:]
-
-
-def is_paired(scale: torch.Tensor, zero: torch.Tensor | None) -> bool:
-    """Whether `zero` sits right after `scale` in each row of one tensor (`paired`)."""
-    w = scale.shape[-1]
-    return (
-        zero is not None
-        and zero.shape == scale.shape
-        and zero.stride() == scale.stride()
-        and scale.stride(-1) == 1
-        and zero.data_ptr() == scale.data_ptr() + w * scale.element_size()
-        and (scale.shape[-2] <= 1 or scale.stride(-2) == 2 * w)
-    )
+def paired(q: QuantizedTensor) -> QuantizedTensor:
+    """q with its scale and zero [..., W] as the two halves of one [..., 2W] tensor's rows (W scales, then W
+    zeros), how the cache stores values' metadata (`q.paired` says so): a token's scale and zero of one group
+    are then one 4-byte word, which the decode kernel copies asynchronously (a 2-byte load it would wait on).
+    One copy, unless q is paired already."""
+    if q.paired or q.zero is None:
+        return q
+    w = q.scale.shape[-1]
+    both = torch.cat([q.scale, q.zero], dim=-1)
+    return replace(q, scale=both[..., :w], zero=both[..., w:], paired=True)
 
 
 def code_bits(fmt: str) -> int:

@@ -40,8 +40,6 @@ flash-decoding (split-K over the sequence with a log-sum-exp merge).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
@@ -68,7 +66,7 @@ from .launch import (
     stand_ins,
     supports_attention,
 )
-from .reference import QuantizedTensor, is_paired, paired
+from .reference import QuantizedTensor, paired
 from .triton_codes import (
     _FP8_UNIT,
     _FP16_MAX,
@@ -810,9 +808,6 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     s_len, q_len, r_len = r.sinks, r.quantized, r.residual
     quant = r.has_codes
     keys, values = kv.keys.quantized, kv.values.quantized  # QuantizedTensor, or None without codes
-    if quant and values.zero is not None and not is_paired(values.scale, values.zero):  # not from the cache:
-        values = replace(values)  # pair them as the cache does (the plane-split loop reads one word a token)
-        values.scale, values.zero = paired(values.scale, values.zero)
     block_n = min(block_n, MAX_BLOCK_N)
     if kv.spec.is_quantized and kv.spec.key_axis == "channel":  # tiles stay inside one key block
         block_n = min(block_n, kv.spec.key_group(d))
@@ -845,10 +840,14 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     k_rope = quant and keys.rope is not None
     if k_rope:
         cos, sin = keys.rope.tables(keys.start, keys.start + keys.codes.shape[-2], query.device)  # [rows, rd]
+    consts = decode_constants(kv.spec, d, block_n, cos.shape[-1] if k_rope else 0)
     rows = row_widths(kv.spec, d)
+    plane_split_loop = consts.get("PLANE_SPLIT", False)
+    if plane_split_loop and quant and not values.paired:  # not from the cache: pair them as the cache does
+        values = paired(values)
     vs_args = _arg(values.scale if quant else None, no_meta, rows["vs"])
-    if decode_constants(kv.spec, d, block_n, 0).get("PLANE_SPLIT"):  # it steps over (scale, zero) words: the
-        vs_args = (*vs_args[:3], vs_args[3] // 2)  # row stride in words, 1 (the JIT makes it a constant)
+    if plane_split_loop:  # it steps over (scale, zero) words: their row stride in words, 1 (a JIT constant)
+        vs_args = (*vs_args[:3], vs_args[3] // 2)
     # paired values' zeros sit a row of scales (rows["vs"] / 2 elements) past them: aligned to 16 bytes or not
     no_vz = absent["fp16_unaligned"] if paired_values(kv.spec) and (rows["vs"] // 2) % 8 else no_meta
     k_cap = keys.outlier_index.shape[-1] if quant and keys.outlier_index is not None else 0
@@ -896,7 +895,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         BLOCK_N=block_n,
         PTX=ptx_unpacking(),
         FOLD_ONCE=keep_fold,
-        **decode_constants(kv.spec, d, block_n, cos.shape[-1] if k_rope else 0),
+        **consts,
         **({"DIRECT_KEYS": True} if direct else {}),
         num_warps=num_warps,
         num_stages=num_stages,
