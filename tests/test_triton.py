@@ -419,6 +419,25 @@ def test_direct_keys_form_gives_the_staged_forms_values(td, spec, grp, head_dim,
     torch.testing.assert_close(lse, staged_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_values_stored_elsewhere_are_paired_for_the_plane_split_loop(td):
+    """The cache stores a token's value scale and zero side by side (`reference.paired`, `QuantizedTensor.paired`),
+    which the plane-split loop reads as one word; values built elsewhere (separate scale and zero tensors) are
+    paired by the launcher, with the same attention."""
+    kv = _layer("int4:g64:r64:s4", 2, 64, [200], seed=80).packed()
+    values = kv.values.quantized
+    assert values.paired and values.zero.data_ptr() == values.scale.data_ptr() + 2  # one word a token
+    apart = dataclasses.replace(values, scale=values.scale.contiguous(), zero=values.zero.contiguous(), paired=False)
+    again = ref.paired(apart)
+    assert again.paired and torch.equal(again.scale, values.scale) and torch.equal(again.zero, values.zero)
+    assert ref.paired(values) is values  # already paired: no copy
+    foreign = dataclasses.replace(kv, values=dataclasses.replace(kv.values, quantized=apart))
+    query = torch.randn(1, 8, 1, 64, generator=torch.Generator().manual_seed(81))
+    for direct in (False, True):
+        got = td.past_attention(query, foreign, 0.125, direct_keys=direct)
+        want = td.past_attention(query, kv, 0.125, direct_keys=direct)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_direct_keys_only_where_it_compiles_without_spills():
     """4-bit values on 4 warps; elsewhere (8-bit values, 8-warp blocks, loops other than plane-split) the call
     runs the staged form."""
