@@ -307,7 +307,7 @@ def unit_strides(consts: dict) -> dict:
     ones = {}
     if consts["V_GROUP"] == consts["D"] and (consts["V_FP8"] or consts.get("V_CODE", 0)):
         ones |= {"svs_t": 1, "svz_t": 1}
-    if consts.get("PLANE_SPLIT"):
+    if consts.get("PLANE_SPLIT") and consts.get("FOLD_ONCE"):  # the loop `_plane_split_tiles` runs
         ones |= {"svs_t": 1}
     if not consts["K_CHANNEL"] and consts["K_GROUP"] == consts["D"]:
         ones |= {"sks_t": 1, "skz_t": 1}

@@ -438,6 +438,20 @@ def test_values_stored_elsewhere_are_paired_for_the_plane_split_loop(td):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_plane_split_formats_before_sm80_take_the_first_loop(td, monkeypatch):
+    """Before sm_80 the key fold is not kept across tiles (`launch.fold_once`), so 8- and 4-bit formats take the
+    first loop, which reads the values' paired scale and zero by their element strides: the same attention."""
+    monkeypatch.setattr(td, "capability", lambda device: (7, 5))  # a T4
+    for spec in ("int4:g64:r64:s4", "k8v4:g64:r64"):
+        kv = _layer(spec, 2, 64, [150], seed=82).packed()
+        assert launch.plane_split(kv.spec, 64) and not launch.fold_once(64, (7, 5))
+        query = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(83))
+        want_out, want_lse = ref_attn.past_attention(query, kv, 0.125)
+        out, lse = td.past_attention(query, kv, 0.125, num_splits=2, direct_keys=True)  # not taken there
+        assert_out_close(out, want_out, query, kv, 0.125)
+        assert_lse_close(lse, want_lse, query, kv, 0.125)
+
+
 def test_direct_keys_only_where_it_compiles_without_spills():
     """4-bit values on 4 warps; elsewhere (8-bit values, 8-warp blocks, loops other than plane-split) the call
     runs the staged form."""

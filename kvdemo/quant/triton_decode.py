@@ -224,14 +224,14 @@ def _plane_split_tiles(
     dequantized per plane in fp16 (s_t c + z_t), as in the first loop. Returns (acc [BM, D] fp32, m_i, l_i),
     log2 domain.
 
-    DIRECT (`launch.direct_keys_allowed`, the same values in another order): the key tile is loaded transposed and each
-    plane unpacked by a block Triton traces through (`_int_planes_traced`), so the dot reads the codes from the
-    asynchronous copy's buffer straight into the tensor cores' layout (no store, barrier and reload between
-    unpacking and the dot); the folded query is kept in registers across a key block; the value tile comes
-    first and is dequantized at once, so its bytes are waited for with the keys' and it goes to shared memory
-    before the softmax's exchange across warps (one barrier for both).
-    Fewer barriers and shared-memory trips, more register moves (the dots are laid out for 8-bit data):
-    `bench/compile_sm90.py` counts both, the GPU benchmark times both."""
+    DIRECT (`launch.direct_keys_allowed`; the same values in another order): the key tile is loaded transposed
+    and each plane unpacked by a block Triton traces through (`_int_planes_traced`), so the score dot reads the
+    codes from the asynchronous copy's buffer straight into the tensor cores' layout (no store, barrier and
+    reload between unpacking and the dot); the folded query is kept in registers across a key block; the value
+    tile comes first and is dequantized at once, so its bytes are waited for with the keys' and it goes to
+    shared memory before the softmax's exchange across warps (one barrier for both). Fewer barriers and
+    shared-memory trips, more register moves (the score dot is laid out for 8-bit data): `bench/compile_sm90.py`
+    counts both, the GPU benchmark times both."""
     K_PL: tl.constexpr = 8 // K_BITS  # planes of D / K_PL channels each (8 bits: 1, 4 bits: 2)
     V_PL: tl.constexpr = 8 // V_BITS
     KDP: tl.constexpr = D // K_PL
@@ -842,7 +842,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         cos, sin = keys.rope.tables(keys.start, keys.start + keys.codes.shape[-2], query.device)  # [rows, rd]
     consts = decode_constants(kv.spec, d, block_n, cos.shape[-1] if k_rope else 0)
     rows = row_widths(kv.spec, d)
-    plane_split_loop = consts.get("PLANE_SPLIT", False)
+    plane_split_loop = consts.get("PLANE_SPLIT", False) and keep_fold  # the kernel's `PLANE_SPLIT and FOLD_ONCE`
     if plane_split_loop and quant and not values.paired:  # not from the cache: pair them as the cache does
         values = paired(values)
     vs_args = _arg(values.scale if quant else None, no_meta, rows["vs"])
