@@ -45,7 +45,7 @@ FP32 = {"o_part_ptr", "lse_part_ptr", "out_ptr", "lse_ptr", "qr_ptr", "kts_ptr",
 I32 = {"lens_ptr"}  # the regions' lengths [S, Q, R], read on the device
 MODEL_DTYPE = {"q_ptr", "sk_ptr", "sv_ptr", "rk_ptr", "rv_ptr", "x_ptr"}  # other pointers: fp16 scales
 # strides that are not multiples of 16 in a real cache: sparse outliers' rows (cap entries), nvfp4 tensor scales,
-# the values' scale and zero rows (stored side by side, `reference.paired_metadata`: 2 elements per token)
+# the values' scale and zero rows (stored side by side, `reference.paired`: 2 elements per token)
 UNALIGNED = {"skod_t", "skoi_t", "svod_t", "svoi_t", "skts_b", "skts_h", "svts_b", "svts_h", "svs_t", "svz_t"}
 PLAIN_FORMATS = [f.name for f in formats.all_formats() if "quantize" in f.kernels]  # what the plain kernel codes
 

@@ -399,7 +399,10 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
                 spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
                 kv = make_packed(keys, values, spec)
             # the default form, then the plane-split loop's direct-keys form where it applies (`launch.direct_keys_allowed`)
-            forms = [False] + ([True] if launch.direct_keys_allowed(spec, d, launch.launch_config(d, 16)[1]) else [])
+            warps = launch.launch_config(d, 16, launch.capability(device))[1]
+            forms = [False] + ([True] if launch.direct_keys_allowed(spec, d, warps) else [])
+            want = reference_attention.past_attention(query, kv, scale)[0] if ctx == contexts[0] else None
+            packed_bytes = triton_decode.kv_bytes_read(kv)
             for direct in forms:
                 call = lambda q=query, kv=kv, direct=direct: triton_decode.past_attention(  # noqa: E731
                     q, kv, scale, direct_keys=direct
@@ -407,11 +410,9 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
                 tri_us = time_us(call, device, args.smoke)
                 graphed = graph_fields("triton", call, tri_us, device) | sdpa_graph
                 err = None
-                if ctx == contexts[0]:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
+                if want is not None:  # in the tests' unit: |kernel - reference| / max(1, max |reference|)
                     got = call()[0]
-                    want = reference_attention.past_attention(query, kv, scale)[0]
                     err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-                packed_bytes = triton_decode.kv_bytes_read(kv)
                 rows.append(
                     base
                     | {

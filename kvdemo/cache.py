@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import formats
 from .layout import Layout, Regions
 from .precision import PrecisionSpec, parse_precision
 from .quant import quantize, reference
@@ -226,8 +225,8 @@ class _PartBuffers:
     def __init__(self, fmt: str, axis: str, method: Method | None = None, paired: bool = False):
         self.fmt, self.axis, self.method = fmt, axis, method or Method()
         # paired: scales and zeros share `scale`'s rows (W scales, then W zeros: `reference.paired`; `zero`
-        # stays empty), for a format with zeros (`launch.paired_values`: the values)
-        self.paired = paired and fmt != formats.FULL and formats.get(fmt).has_zero(axis)
+        # stays empty), as `reference.values_paired` says for the values
+        self.paired = paired
         self.group = 0  # set by `configure` once head_dim is known
         self.sinks: torch.Tensor | None = None  # [B, H, S, D]
         self.codes, self.scale, self.zero = _Growable(), _Growable(), _Growable()
@@ -370,7 +369,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.lengths: torch.Tensor | None = None  # int32 [S, Q, R] on the device where a kernel reads them
         self._device_lengths = False  # set at the first append: whether kernels read `lengths`
         self.keys = _PartBuffers(spec.key_format, spec.key_axis, copy.copy(key_method))
-        self.values = _PartBuffers(spec.value_format, "token", copy.copy(value_method), paired=True)
+        values_paired = reference.values_paired(spec)
+        self.values = _PartBuffers(spec.value_format, "token", copy.copy(value_method), paired=values_paired)
 
     @property
     def length(self) -> int:  # T

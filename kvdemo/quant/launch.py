@@ -25,7 +25,7 @@ import torch
 
 from .. import formats
 from .backend import interpreting
-from .reference import QuantizedTensor
+from .reference import QuantizedTensor, values_paired
 from .triton_codes import MAX_OUTLIERS, _pow2
 
 PROGRAMS_PER_SM = 4  # decode programs per SM in all (the GPU benchmark sweeps 2-16)
@@ -104,12 +104,6 @@ DECODE_STEP_INTS = ("row0",)  # the lengths are read from the device (lens_ptr),
 MERGE_STEP_INTS = ("n_parts",)
 
 
-def paired_values(spec) -> bool:
-    """Whether the cache stores the values' scales and zeros in shared rows (`reference.paired`: each row its
-    scales, then its zeros; with one group a token, one 4-byte word): values of a format with zero points."""
-    return spec.is_quantized and spec.value.has_zero("token")
-
-
 @functools.lru_cache(maxsize=256)
 def row_widths(spec, head_dim: int) -> dict[str, int]:
     """Elements per token row of each coded tensor the decode kernel reads, as a cache at `spec` stores them
@@ -120,7 +114,7 @@ def row_widths(spec, head_dim: int) -> dict[str, int]:
         return dict.fromkeys(("kc", "ks", "kz", "vc", "vs", "vz", "ko", "vo"), head_dim)
     k_meta = head_dim if spec.key_axis == "channel" else head_dim // spec.key_group(head_dim)
     v_meta = head_dim // spec.value_group(head_dim)
-    if paired_values(spec):  # values' scales and zeros share rows
+    if values_paired(spec):  # values' scales and zeros share rows (`reference.paired`)
         v_meta *= 2
     cap = max(spec.outlier_cap(head_dim), 1)
     k_codes, v_codes = spec.key.packed_width(head_dim), spec.value.packed_width(head_dim)

@@ -94,6 +94,12 @@ class QuantizedTensor:
         }
 
 
+def values_paired(spec) -> bool:
+    """Whether a cache at `spec` stores its values' scales and zeros in shared rows (`paired`): values of a
+    format with zero points. The cache lays them out so, and the decode launcher passes their strides so."""
+    return spec.is_quantized and spec.value.has_zero("token")
+
+
 def paired(q: QuantizedTensor) -> QuantizedTensor:
     """q with its scale and zero [..., W] as the two halves of one [..., 2W] tensor's rows (W scales, then W
     zeros), how the cache stores values' metadata (`q.paired` says so): a token's scale and zero of one group

@@ -58,7 +58,6 @@ from .launch import (
     launch_config,
     max_registers,
     method_kind,
-    paired_values,
     ptx_unpacking,
     row_widths,
     scratch,
@@ -66,7 +65,7 @@ from .launch import (
     stand_ins,
     supports_attention,
 )
-from .reference import QuantizedTensor, paired
+from .reference import QuantizedTensor, paired, values_paired
 from .triton_codes import (
     _FP8_UNIT,
     _FP16_MAX,
@@ -849,7 +848,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
     if plane_split_loop:  # it steps over (scale, zero) words: their row stride in words, 1 (a JIT constant)
         vs_args = (*vs_args[:3], vs_args[3] // 2)
     # paired values' zeros sit a row of scales (rows["vs"] / 2 elements) past them: aligned to 16 bytes or not
-    no_vz = absent["fp16_unaligned"] if paired_values(kv.spec) and (rows["vs"] // 2) % 8 else no_meta
+    no_vz = absent["fp16_unaligned"] if values_paired(kv.spec) and (rows["vs"] // 2) % 8 else no_meta
     k_cap = keys.outlier_index.shape[-1] if quant and keys.outlier_index is not None else 0
     v_cap = values.outlier_index.shape[-1] if quant and values.outlier_index is not None else 0
     _decode_split_kernel[(parts, b * hkv)](
