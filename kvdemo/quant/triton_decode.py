@@ -135,16 +135,30 @@ def _online_update(acc, m_i, l_i, s, v):
 
 @triton.jit
 def _full_segment(
-    acc, m_i, l_i, q_hi, q_lo, k_base, v_base, sk_t, sv_t, row_begin, row_end, BLOCK_N: tl.constexpr, D: tl.constexpr
+    acc,
+    m_i,
+    l_i,
+    q_hi,
+    q_lo,
+    k_base,
+    v_base,
+    sk_t,
+    sv_t,
+    row_begin,
+    row_end,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    ONE_WARP: tl.constexpr,
 ):
     """Full-precision keys/values rows [row_begin, row_end) of one (batch, kv head): sinks or residual.
 
     Keys go to the tensor cores as fp16: 16-bit keys as they are (bf16 is exact in fp16 from 2^-14 to
-    65504), fp32 keys as hi + lo halves; values as fp16.
+    65504), fp32 keys as hi + lo halves; values as fp16. ONE_WARP: not pipelined (a program of one warp
+    keeps its shared memory to the quantized loop's, so 12 programs fit an SM; these rows are few).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    for start in range(row_begin, row_end, BLOCK_N):
+    for start in tl.range(row_begin, row_end, BLOCK_N, num_stages=1 if ONE_WARP else None):
         pos = start + offs_n  # [BN] int32: offsets within one head stay below 2^31 (checked by the caller)
         valid = pos < row_end
         k = tl.load(k_base + pos[:, None] * sk_t + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -178,6 +192,27 @@ def _value_planes(vc_base, vs_base, svc_t, svw_t, pos, valid, VDP: tl.constexpr,
 
 
 @triton.jit
+def _query_planes(q_rows, row_ok, qk_scale, KDP: tl.constexpr, QH: tl.constexpr):
+    """The query rows q_rows [BM] (pointers) as the plane-split loop's dots take them, log2 domain: 4-bit keys
+    (QH) two planes [BM, KDP] rounded to fp16, the high nibbles' plane times 1/16; 8-bit keys one fp32 plane."""
+    offs_k = tl.arange(0, KDP)
+    q0 = tl.load(q_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q1 = q0
+    if QH:
+        q0 = (q0 * qk_scale).to(tl.float16)
+        q1 = tl.load(q_rows[:, None] + KDP + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q1 = (q1 * (qk_scale * 0.0625)).to(tl.float16)
+    return q0, q1
+
+
+@triton.jit
+def _times_row(a, z, acc, BLOCK_N: tl.constexpr):
+    """acc [BM, BLOCK_N] + (a @ z)[:, None] on the tensor cores: a [BM, K] fp16, z [K] fp16 (one column, repeated).
+    Products of fp16 values are exact in fp32, summed in fp32."""
+    return tl.dot(a, tl.broadcast_to(z[:, None], (z.shape[0], BLOCK_N)), acc)
+
+
+@triton.jit
 def _plane_split_tiles(
     q_rows,
     row_ok,
@@ -206,6 +241,7 @@ def _plane_split_tiles(
     K_GROUP: tl.constexpr,
     PTX: tl.constexpr,
     DIRECT: tl.constexpr,
+    ONE_WARP: tl.constexpr,
 ):
     """Quantized tiles [t_begin, t_end) of 8- or 4-bit integer keys per channel and values per token (one group
     of D channels), plane by plane: byte j of a packed row holds channels j (low nibble) and KDP + j (high
@@ -241,12 +277,8 @@ def _plane_split_tiles(
     # as 1024 + 16 c: their plane's query takes the 1/16), times the key scales in fp16 (rounded once more).
     # 8-bit keys (one plane of D channels, registers at the cap): the fp32 query times fp32 scales, rounded once
     QH: tl.constexpr = K_PL == 2
-    q0 = tl.load(q_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q1 = q0
+    q0, q1 = _query_planes(q_rows, row_ok, qk_scale, KDP, QH)
     if QH:
-        q0 = (q0 * qk_scale).to(tl.float16)
-        q1 = tl.load(q_rows[:, None] + KDP + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q1 = (q1 * (qk_scale * 0.0625)).to(tl.float16)
         ks0 = tl.zeros([KDP], dtype=tl.float16)
     else:
         ks0 = tl.zeros([KDP], dtype=tl.float32)
@@ -254,6 +286,7 @@ def _plane_split_tiles(
     if DIRECT:
         qs0 = tl.zeros([BLOCK_M, KDP], dtype=tl.float16)  # the folded query, kept across a key block's tiles
         qs1 = qs0
+        qz_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # 4-bit keys: q . z - 1024 sum_c qs_c per column
     acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
     acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: exp2(-inf - m_i) is 0, never nan
@@ -265,27 +298,39 @@ def _plane_split_tiles(
         valid = (pos >= S) & (pos < Q)
         if (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block: its scales and q . zero
             blk = start // K_GROUP
+            if ONE_WARP:  # registers: the query is read again (from cache) instead of kept
+                q0, q1 = _query_planes(q_rows, row_ok, qk_scale, KDP, QH)
             ks0 = tl.load(ks_base + blk * sks_t + offs_k)  # [KDP] fp16, as stored
-            kz = tl.load(kz_base + blk * skz_t + offs_k).to(tl.float32)
-            if not QH:
-                ks0 = ks0.to(tl.float32) * qk_scale  # log2 domain
-                kz = kz * qk_scale
-            # the codes come biased (1024 + c): q . z - 1024 sum_c qs_c, from the fp16 qs the dot multiplies
-            qz_c = q0.to(tl.float32) * kz[None, :] - 1024.0 * (q0 * ks0[None, :]).to(tl.float16).to(tl.float32)
-            if K_PL == 2:  # q1 holds the 1/16: its q . z is 16 (q1 . z - 64 sum_c qs1_c)
+            if DIRECT and QH:  # q . z - 1024 sum_c qs_c on the tensor cores (`_times_row`), every column the same
                 ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k)
-                kz = tl.load(kz_base + blk * skz_t + KDP + offs_k).to(tl.float32)
-                qz_c += 16.0 * (q1.to(tl.float32) * kz[None, :] - 64.0 * (q1 * ks1[None, :]).to(tl.float32))
-            qz = tl.sum(qz_c, 1)  # [BM]
-            if DIRECT:
+                kz0 = tl.load(kz_base + blk * skz_t + offs_k)  # [KDP] fp16, as stored
+                kz1 = tl.load(kz_base + blk * skz_t + KDP + offs_k)
                 qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
                 qs1 = (q1 * ks1[None, :]).to(tl.float16)
+                bias = tl.full([KDP], -1024.0, tl.float16)
+                qz_t = _times_row(q0, kz0, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_N)
+                qz_t = _times_row((q1 * 16.0).to(tl.float16), kz1, qz_t, BLOCK_N)  # q1 holds the 1/16: 16 q1 exact
+                qz_t = _times_row(qs1, bias, _times_row(qs0, bias, qz_t, BLOCK_N), BLOCK_N)
+            else:
+                kz = tl.load(kz_base + blk * skz_t + offs_k).to(tl.float32)
+                if not QH:
+                    ks0 = ks0.to(tl.float32) * qk_scale  # log2 domain
+                    kz = kz * qk_scale
+                # the codes come biased (1024 + c): q . z - 1024 sum_c qs_c, from the fp16 qs the dot multiplies
+                qz_c = q0.to(tl.float32) * kz[None, :] - 1024.0 * (q0 * ks0[None, :]).to(tl.float16).to(tl.float32)
+                if K_PL == 2:  # q1 holds the 1/16: its q . z is 16 (q1 . z - 64 sum_c qs1_c)
+                    ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k)
+                    kz = tl.load(kz_base + blk * skz_t + KDP + offs_k).to(tl.float32)
+                    qz_c += 16.0 * (q1.to(tl.float32) * kz[None, :] - 64.0 * (q1 * ks1[None, :]).to(tl.float32))
+                qz = tl.sum(qz_c, 1)  # [BM]
+                if DIRECT:
+                    qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
         if DIRECT:  # the values first, dequantized now (fp16 s c + z): stored before the softmax's exchange
             v0, v1, vs, vz = _value_planes(vc_base, vs_base, svc_t, svs_t, pos, valid, VDP, V_BITS, PTX)
             v0, v1 = v0 * vs[:, None] + vz[:, None], v1 * vs[:, None] + vz[:, None]
             kbyte = tl.load(kc_base + pos[None, :] * skc_t + offs_k[:, None], mask=valid[None, :], other=0)
             k0, k1 = _int_planes_traced(kbyte, K_BITS, PTX)  # [KDP, BN] fp16 each, 1024 + c (+ 16 c)
-            s = tl.dot(qs0, k0)  # [BM, BN]
+            s = tl.dot(qs0, k0, qz_t)  # [BM, BN]; 4-bit keys: q . z in from the start (qz stays 0)
             if K_PL == 2:
                 s = tl.dot(qs1, k1, s)
         else:
@@ -434,6 +479,7 @@ def _decode_split_kernel(
     K_ROPE: tl.constexpr = 0,
     PLANE_SPLIT: tl.constexpr = False,
     DIRECT_KEYS: tl.constexpr = False,
+    ONE_WARP: tl.constexpr = False,
 ):
     """Program (split, batch * kv head): partial attention of the group's M query rows.
 
@@ -497,6 +543,7 @@ def _decode_split_kernel(
                 S,
                 BLOCK_N,
                 D,
+                ONE_WARP,
             )
         r_begin = f * tiles_per_split * BLOCK_N
         r_end = tl.minimum(r_begin + tiles_per_split * BLOCK_N, R)
@@ -514,6 +561,7 @@ def _decode_split_kernel(
             r_end,
             BLOCK_N,
             D,
+            ONE_WARP,
         )
     elif PLANE_SPLIT and FOLD_ONCE:  # 8- and 4-bit integer codes (`launch.plane_split`)
         acc, m_i, l_i = _plane_split_tiles(
@@ -544,6 +592,7 @@ def _decode_split_kernel(
             K_GROUP,
             PTX,
             DIRECT_KEYS,
+            ONE_WARP,
         )
     else:
         KDP: tl.constexpr = D * K_BITS // 8
