@@ -317,8 +317,8 @@ def unit_strides(consts: dict) -> dict:
 def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     """Format pairs x key axis x head_dim x query rows: decode's 16 rows (GQA up to 16) and the most rows
     `supports_attention` lets through for the head_dim (the tile that needs the most registers); where
-    `launch.direct_keys_allowed` allows it, the plane-split loop's direct-keys form too ("variant", format + " direct
-    keys")."""
+    `launch.direct_keys_config` gives it, the plane-split loop's direct-keys form too, with that tile and warps
+    ("variant", format + " direct keys")."""
     pairs = [("int4", "int4"), ("int8", "int8"), ("int8", "int4"), ("fp8_e4m3", "fp8_e4m3"), ("int2", "int2")]
     if not quick:
         pairs += [("int4", "int8"), ("int8", "int2"), ("fp8_e5m2", "fp8_e5m2")]
@@ -356,11 +356,18 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                         | {"block_m": block_m, "num_warps": warps, "consts": consts}
                         | {"maxnreg": launch.max_registers(spec, head_dim, warps)}
                     )
-                    if launch.direct_keys_allowed(spec, head_dim, warps):  # the loop's other form, a launch setting
+                    direct = launch.direct_keys_config(spec, head_dim, block_m, cc)
+                    if direct:  # the loop's other form, a launch setting, with its own tile and warps
+                        d_n, d_warps = direct
                         rows.append(
                             rows[-1]
                             | {"format": rows[-1]["format"] + " direct keys", "variant": "direct keys"}
-                            | {"consts": consts | {"DIRECT_KEYS": True}}
+                            | {"num_warps": d_warps, "maxnreg": launch.max_registers(spec, head_dim, d_warps)}
+                            | {
+                                "consts": consts
+                                | {"BLOCK_N": d_n, "DIRECT_KEYS": True}
+                                | ({"ONE_WARP": True} if d_warps == 1 else {})
+                            }
                         )
     for half in ("bf16", "fp32"):
         rows.append(rows[0] | {"half": half, "format": rows[0]["format"] + f" ({half} query and residual)"})

@@ -398,9 +398,8 @@ def bench_decode(device: torch.device, args, deadline: float) -> list[dict]:
             else:
                 spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
                 kv = make_packed(keys, values, spec)
-            # the default form, then the plane-split loop's direct-keys form where it applies (`launch.direct_keys_allowed`)
-            warps = launch.launch_config(d, 16, launch.capability(device))[1]
-            forms = [False] + ([True] if launch.direct_keys_allowed(spec, d, warps) else [])
+            # the default form, then the plane-split loop's direct-keys form where it applies (`launch.direct_keys_config`)
+            forms = [False] + ([True] if launch.direct_keys_config(spec, d, 16, launch.capability(device)) else [])
             want = reference_attention.past_attention(query, kv, scale)[0] if ctx == contexts[0] else None
             packed_bytes = triton_decode.kv_bytes_read(kv)
             for direct in forms:
@@ -462,14 +461,17 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
         (n, w, st, None, False) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]
     ]
     settings += [(block_n, warps, launch.NUM_STAGES, per_sm, False) for per_sm in SWEEP["programs_per_sm"]]
-    settings += [(block_n, warps, launch.NUM_STAGES, None, True)]  # the direct-keys form (where it applies)
+    settings += [(None, None, launch.NUM_STAGES, None, True)]  # the direct-keys form, its own tile and warps
     rows = []
     for fmt in ("int4", "int8"):
         spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
         kv = make_packed(keys, values, spec)
         for n, w, st, per_sm, direct in settings[:2] + settings[-2:] if args.smoke else settings:
-            if direct and not launch.direct_keys_allowed(spec, shape["head_dim"], w):
-                continue
+            if direct:  # where it applies (`launch.direct_keys_config`)
+                config = launch.direct_keys_config(spec, shape["head_dim"], 16, launch.capability(device))
+                if config is None:
+                    continue
+                n, w = config
             splits = None if per_sm is None else launch.splits_for(heads, device, per_sm)
 
             def run(kv=kv, n=n, w=w, st=st, splits=splits, direct=direct):

@@ -142,18 +142,33 @@ MAX_REGISTERS = 168  # per thread: 3 blocks of 4 warps per SM (65,536 registers)
 
 def max_registers(spec, head_dim: int, num_warps: int) -> int | None:
     """The register cap the decode kernel is compiled with (`maxnreg`), or None: plane-split variants of 4 warps
-    at head_dim 64 and up take MAX_REGISTERS (3 blocks, 12 warps per SM); uncapped, int4, int8 and k8v4 at
-    head_dim 128 take 187-212 registers (8 warps per SM; triton 3.6 gave int8 181). Blocks of 8 warps (more
-    query rows) reach no more warps per SM under any cap above 128, and at head_dim 32 the cap spills
-    (`bench/compile_sm90.py` shows each variant)."""
-    return MAX_REGISTERS if plane_split(spec, head_dim) and num_warps == 4 and head_dim >= 64 else None
+    (3 blocks) or of one warp (12 blocks) at head_dim 64 and up take MAX_REGISTERS, 12 warps per SM; uncapped,
+    int4, int8 and k8v4 at head_dim 128 take 187-212 registers on 4 warps (8 warps per SM; triton 3.6 gave int8
+    181). Blocks of 8 warps (more query rows) reach no more warps per SM under any cap above 128, and at head_dim
+    32 the cap spills (`bench/compile_sm90.py` shows each variant)."""
+    capped = plane_split(spec, head_dim) and num_warps in (1, 4) and head_dim >= 64
+    return MAX_REGISTERS if capped else None
 
 
 def direct_keys_allowed(spec, head_dim: int, num_warps: int) -> bool:
     """Whether the plane-split loop can take its direct-keys form (`triton_decode._plane_split_tiles`, DIRECT): 4-bit
-    values on 4 warps, where it compiles without spills with triton 3.6 and 3.9 (with 8-bit values at head_dim
-    128 it spills under the register cap with 3.9; `bench/compile_sm90.py` shows each variant)."""
-    return plane_split(spec, head_dim) and spec.value.bits == 4 and num_warps == 4
+    values on 4 warps or one, where it compiles without spills with triton 3.6 (with 8-bit values at head_dim
+    128 it spills under the register cap; `bench/compile_sm90.py` shows each variant)."""
+    return plane_split(spec, head_dim) and spec.value.bits == 4 and num_warps in (1, 4)
+
+
+def direct_keys_config(spec, head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0)) -> tuple[int, int] | None:
+    """(tokens per tile, warps) of the direct-keys form for decode rows (block_m 16), or None where it is not
+    taken. 4-bit keys at head_dim 128 run one warp per program on 16-token tiles: the softmax's row maximum and
+    sums stay inside the warp (no exchange across warps, 2 barriers a tile), and q . z comes from the tensor
+    cores; the loop issues fewer instructions per token than on 4 warps (`bench/compile_sm90.py`). 8-bit keys
+    keep the default 64-token tile on 4 warps (on one warp they spill)."""
+    if block_m != 16 or not fold_once(head_dim, cc):
+        return None
+    if spec.is_quantized and spec.key.bits == 4 and head_dim == 128 and direct_keys_allowed(spec, head_dim, 1):
+        return 16, 1
+    block_n, warps = launch_config(head_dim, block_m, cc)
+    return (block_n, warps) if direct_keys_allowed(spec, head_dim, warps) else None
 
 
 def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:
@@ -214,9 +229,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
-def splits_for(heads: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits of the sequence per (batch, kv head) for about `programs_per_sm` programs per SM in all."""
-    return max(1, -(-programs_per_sm * _sm_count(device) // heads))
+def splits_for(heads: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM, num_warps: int = 4) -> int:
+    """Splits of the sequence per (batch, kv head) for about `programs_per_sm` programs per SM in all, counted in
+    programs of 4 warps (one-warp programs: 4 times as many, the same warps in flight)."""
+    return max(1, -(-programs_per_sm * max(1, 4 // num_warps) * _sm_count(device) // heads))
 
 
 MIN_TILES_PER_SPLIT = 4  # by default a program takes at least this many tiles (fewer programs on a short past)

@@ -54,6 +54,7 @@ from .launch import (
     capability,
     decode_constants,
     direct_keys_allowed,
+    direct_keys_config,
     fold_once,
     launch_config,
     max_registers,
@@ -807,8 +808,9 @@ def past_attention(
     block_n (tokens per tile, a power of two, capped by the key group), num_warps (defaults: `launch_config`)
     and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them). The
     default tile is halved, once per shape, on a GPU whose shared memory per block cannot hold it.
-    direct_keys: the plane-split loop's direct-keys form where `launch.direct_keys_allowed` says so (a launch setting
-    too: the same values; elsewhere the call runs as without it).
+    direct_keys: the plane-split loop's direct-keys form where `launch.direct_keys_config` gives it, with that
+    function's tile and warps unless block_n / num_warps are given (a launch setting too: the same values;
+    elsewhere the call runs as without it).
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
     `supports_attention`, is handed to the reference (the decode path never passes a mask).
     """
@@ -820,10 +822,13 @@ def past_attention(
     block_m = _block_m((hq // kv.kv_heads) * n)
     cc = capability(query.device)
     default_n, default_warps = launch_config(d, block_m, cc, method_kind(kv))
+    spec = kv.spec
+    direct_config = direct_keys_config(spec, d, block_m, cc) if direct_keys else None
+    if direct_config:
+        default_n, default_warps = direct_config
     explicit_block_n = block_n is not None
     # a GPU with less shared memory per block than sm_90 (a T4 has 64 KiB) cannot run the default tile:
     # halve it until it launches, once per shape, and remember what fits (a block_n given is not changed)
-    spec = kv.spec
     methods = (spec.outliers, spec.pre_rope, spec.hadamard)
     fits_key = (query.device, d, block_m, spec.key_format, spec.value_format, spec.key_axis, methods, query.dtype)
     fits_key += (num_stages, direct_keys)
@@ -863,7 +868,9 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     # a fixed grid: `splits` programs share the tiles, one more takes the rest (a bound: ceil(q / t) + ceil(r / t)
     # <= splits + 1 for t >= (q + r) / splits); the kernel reads the lengths and works out its share
-    splits = max(1, int(num_splits)) if num_splits is not None else splits_for(b * hkv, query.device)
+    splits = (
+        max(1, int(num_splits)) if num_splits is not None else splits_for(b * hkv, query.device, num_warps=num_warps)
+    )
     min_tiles = 1 if num_splits is not None else MIN_TILES_PER_SPLIT
     parts = splits + 1
     lens = kv.lengths  # int32 [S, Q, R] on the device, kept by the layer for its whole past
@@ -945,6 +952,7 @@ def _launch_decode(query, kv, scaling, block_n, block_m, num_splits, num_warps, 
         FOLD_ONCE=keep_fold,
         **consts,
         **({"DIRECT_KEYS": True} if direct else {}),
+        **({"ONE_WARP": True} if num_warps == 1 else {}),
         num_warps=num_warps,
         num_stages=num_stages,
         **({"maxnreg": cap} if (cap := max_registers(kv.spec, d, num_warps)) else {}),
