@@ -317,7 +317,7 @@ def unit_strides(consts: dict) -> dict:
 def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
     """Format pairs x key axis x head_dim x query rows: decode's 16 rows (GQA up to 16) and the most rows
     `supports_attention` lets through for the head_dim (the tile that needs the most registers); where
-    `launch.direct_keys_config` gives it, the plane-split loop's direct-keys form too, with that tile and warps
+    `launch.direct_keys_config` gives it, the plane-split loop's direct-keys form too, with that tile, warps and stages
     ("variant", format + " direct keys")."""
     pairs = [("int4", "int4"), ("int8", "int8"), ("int8", "int4"), ("fp8_e4m3", "fp8_e4m3"), ("int2", "int2")]
     if not quick:
@@ -358,11 +358,12 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                     )
                     direct = launch.direct_keys_config(spec, head_dim, block_m, cc)
                     if direct:  # the loop's other form, a launch setting, with its own tile and warps
-                        d_n, d_warps = direct
+                        d_n, d_warps, d_stages = direct
                         rows.append(
                             rows[-1]
                             | {"format": rows[-1]["format"] + " direct keys", "variant": "direct keys"}
-                            | {"num_warps": d_warps, "maxnreg": launch.max_registers(spec, head_dim, d_warps)}
+                            | {"num_warps": d_warps, "num_stages": d_stages}
+                            | {"maxnreg": launch.max_registers(spec, head_dim, d_warps)}
                             | {
                                 "consts": consts
                                 | {"BLOCK_N": d_n, "DIRECT_KEYS": True}
@@ -530,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["consts"],
                 args.arch,
                 row.get("num_warps", 4),
+                row.get("num_stages", launch.NUM_STAGES),
                 half=row.get("half", "fp16"),
                 pointers=row.get("pointers"),
                 fp_fusion=row.get("fp_fusion", True),

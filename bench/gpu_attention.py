@@ -461,17 +461,21 @@ def bench_sweep(device: torch.device, args) -> list[dict]:
         (n, w, st, None, False) for n in SWEEP["block_n"] for w in SWEEP["num_warps"] for st in SWEEP["num_stages"]
     ]
     settings += [(block_n, warps, launch.NUM_STAGES, per_sm, False) for per_sm in SWEEP["programs_per_sm"]]
-    settings += [(None, None, launch.NUM_STAGES, None, True)]  # the direct-keys form, its own tile and warps
+    # the direct-keys form: its own tile, warps and stages, then at the default stages where those differ
+    settings += [(None, None, None, None, True), (None, None, launch.NUM_STAGES, None, True)]
     rows = []
     for fmt in ("int4", "int8"):
         spec = parse_precision(f"{PRESET[fmt]}:g{args.group}:r{args.residual}")
         kv = make_packed(keys, values, spec)
-        for n, w, st, per_sm, direct in settings[:2] + settings[-2:] if args.smoke else settings:
+        for n, w, st, per_sm, direct in settings[:2] + settings[-3:] if args.smoke else settings:
             if direct:  # where it applies (`launch.direct_keys_config`)
                 config = launch.direct_keys_config(spec, shape["head_dim"], 16, launch.capability(device))
                 if config is None:
                     continue
-                n, w = config
+                n, w, config_stages = config
+                if st == config_stages:
+                    continue
+                st = st or config_stages
             splits = None if per_sm is None else launch.splits_for(heads, device, per_sm)
 
             def run(kv=kv, n=n, w=w, st=st, splits=splits, direct=direct):

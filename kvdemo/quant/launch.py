@@ -152,23 +152,26 @@ def max_registers(spec, head_dim: int, num_warps: int) -> int | None:
 
 def direct_keys_allowed(spec, head_dim: int, num_warps: int) -> bool:
     """Whether the plane-split loop can take its direct-keys form (`triton_decode._plane_split_tiles`, DIRECT): 4-bit
-    values on 4 warps or one, where it compiles without spills with triton 3.6 (with 8-bit values at head_dim
-    128 it spills under the register cap; `bench/compile_sm90.py` shows each variant)."""
-    return plane_split(spec, head_dim) and spec.value.bits == 4 and num_warps in (1, 4)
+    values on 4 warps, and any plane-split format on one warp (on 4 warps, 8-bit values spill registers under
+    the cap; `bench/compile_sm90.py` shows each variant)."""
+    return plane_split(spec, head_dim) and (num_warps == 1 or (spec.value.bits == 4 and num_warps == 4))
 
 
-def direct_keys_config(spec, head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0)) -> tuple[int, int] | None:
-    """(tokens per tile, warps) of the direct-keys form for decode rows (block_m 16), or None where it is not
-    taken. 4-bit keys at head_dim 128 run one warp per program on 16-token tiles: the softmax's row maximum and
-    sums stay inside the warp (no exchange across warps, 2 barriers a tile), and q . z comes from the tensor
-    cores; the loop issues fewer instructions per token than on 4 warps (`bench/compile_sm90.py`). 8-bit keys
-    keep the default 64-token tile on 4 warps (on one warp they spill)."""
+ONE_WARP_STAGES = 2  # pipeline depth of one-warp programs: 12 fit an SM's shared memory with 8-bit codes too
+
+
+def direct_keys_config(spec, head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0)) -> tuple[int, int, int] | None:
+    """(tokens per tile, warps, pipeline stages) of the direct-keys form for decode rows (block_m 16), or None where
+    it is not taken. At head_dim 128 it runs one warp per program on 16-token tiles: the softmax's row maximum
+    and sums stay inside the warp (no exchange across warps: 2 barriers a tile), the query is rounded to fp16
+    once and q . z comes from the tensor cores, and the loop issues fewer instructions per token than on 4 warps
+    (`bench/compile_sm90.py`). Elsewhere, 4-bit values keep the default tile on 4 warps."""
     if block_m != 16 or not fold_once(head_dim, cc):
         return None
-    if spec.is_quantized and spec.key.bits == 4 and head_dim == 128 and direct_keys_allowed(spec, head_dim, 1):
-        return 16, 1
+    if head_dim == 128 and direct_keys_allowed(spec, head_dim, 1):
+        return 16, 1, ONE_WARP_STAGES
     block_n, warps = launch_config(head_dim, block_m, cc)
-    return (block_n, warps) if direct_keys_allowed(spec, head_dim, warps) else None
+    return (block_n, warps, NUM_STAGES) if direct_keys_allowed(spec, head_dim, warps) else None
 
 
 def decode_constants(spec, head_dim: int, block_n: int, rope_dim: int) -> dict:

@@ -193,14 +193,17 @@ def _value_planes(vc_base, vs_base, svc_t, svw_t, pos, valid, VDP: tl.constexpr,
 
 
 @triton.jit
-def _query_planes(q_rows, row_ok, qk_scale, KDP: tl.constexpr, QH: tl.constexpr):
-    """The query rows q_rows [BM] (pointers) as the plane-split loop's dots take them, log2 domain: 4-bit keys
-    (QH) two planes [BM, KDP] rounded to fp16, the high nibbles' plane times 1/16; 8-bit keys one fp32 plane."""
+def _query_planes(q_rows, row_ok, qk_scale, KDP: tl.constexpr, Q16: tl.constexpr, TWO: tl.constexpr):
+    """The query rows q_rows [BM] (pointers) as the plane-split loop's dots take them: Q16, in the log2 domain
+    rounded to fp16, TWO planes [BM, KDP] (4-bit keys: the high nibbles' plane times 1/16) or one; else one fp32
+    plane as stored (8-bit keys: the scales take qk_scale)."""
     offs_k = tl.arange(0, KDP)
     q0 = tl.load(q_rows[:, None] + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q1 = q0
-    if QH:
+    if Q16:
         q0 = (q0 * qk_scale).to(tl.float16)
+        q1 = q0
+    if TWO:
         q1 = tl.load(q_rows[:, None] + KDP + offs_k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
         q1 = (q1 * (qk_scale * 0.0625)).to(tl.float16)
     return q0, q1
@@ -277,9 +280,9 @@ def _plane_split_tiles(
     # 4-bit keys: the query in the log2 domain rounded to fp16 once, [BM, KDP] per plane (the high nibbles come
     # as 1024 + 16 c: their plane's query takes the 1/16), times the key scales in fp16 (rounded once more).
     # 8-bit keys (one plane of D channels, registers at the cap): the fp32 query times fp32 scales, rounded once
-    QH: tl.constexpr = K_PL == 2
-    q0, q1 = _query_planes(q_rows, row_ok, qk_scale, KDP, QH)
-    if QH:
+    Q16: tl.constexpr = K_PL == 2 or ONE_WARP  # one warp: 8-bit keys' query rounded to fp16 too (registers)
+    q0, q1 = _query_planes(q_rows, row_ok, qk_scale, KDP, Q16, K_PL == 2)
+    if Q16:
         ks0 = tl.zeros([KDP], dtype=tl.float16)
     else:
         ks0 = tl.zeros([KDP], dtype=tl.float32)
@@ -300,21 +303,24 @@ def _plane_split_tiles(
         if (tile == t_begin) or (start % K_GROUP == 0):  # entering a key block: its scales and q . zero
             blk = start // K_GROUP
             if ONE_WARP:  # registers: the query is read again (from cache) instead of kept
-                q0, q1 = _query_planes(q_rows, row_ok, qk_scale, KDP, QH)
+                q0, q1 = _query_planes(q_rows, row_ok, qk_scale, KDP, Q16, K_PL == 2)
             ks0 = tl.load(ks_base + blk * sks_t + offs_k)  # [KDP] fp16, as stored
-            if DIRECT and QH:  # q . z - 1024 sum_c qs_c on the tensor cores (`_times_row`), every column the same
-                ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k)
-                kz0 = tl.load(kz_base + blk * skz_t + offs_k)  # [KDP] fp16, as stored
-                kz1 = tl.load(kz_base + blk * skz_t + KDP + offs_k)
-                qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
-                qs1 = (q1 * ks1[None, :]).to(tl.float16)
+            if DIRECT and Q16:  # q . z - 1024 sum_c qs_c on the tensor cores (`_times_row`), every column the same
                 bias = tl.full([KDP], -1024.0, tl.float16)
-                qz_t = _times_row(q0, kz0, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_N)
-                qz_t = _times_row((q1 * 16.0).to(tl.float16), kz1, qz_t, BLOCK_N)  # q1 holds the 1/16: 16 q1 exact
-                qz_t = _times_row(qs1, bias, _times_row(qs0, bias, qz_t, BLOCK_N), BLOCK_N)
+                qs0 = (q0 * ks0[None, :]).to(tl.float16)  # [BM, KDP]
+                qz_t = _times_row(
+                    q0, tl.load(kz_base + blk * skz_t + offs_k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), BLOCK_N
+                )
+                qz_t = _times_row(qs0, bias, qz_t, BLOCK_N)
+                if K_PL == 2:  # q1 holds the 1/16: 16 q1 (exact, a power of two) . z1 - 1024 sum_c qs1_c
+                    ks1 = tl.load(ks_base + blk * sks_t + KDP + offs_k)
+                    qs1 = (q1 * ks1[None, :]).to(tl.float16)
+                    kz1 = tl.load(kz_base + blk * skz_t + KDP + offs_k)
+                    qz_t = _times_row((q1 * 16.0).to(tl.float16), kz1, qz_t, BLOCK_N)
+                    qz_t = _times_row(qs1, bias, qz_t, BLOCK_N)
             else:
                 kz = tl.load(kz_base + blk * skz_t + offs_k).to(tl.float32)
-                if not QH:
+                if not Q16:
                     ks0 = ks0.to(tl.float32) * qk_scale  # log2 domain
                     kz = kz * qk_scale
                 # the codes come biased (1024 + c): q . z - 1024 sum_c qs_c, from the fp16 qs the dot multiplies
@@ -796,7 +802,7 @@ def past_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = NUM_STAGES,
+    num_stages: int | None = None,
     direct_keys: bool = False,
 ):
     """Fused decode attention of `query` over one layer's packed past (twin of `reference.past_attention`).
@@ -809,8 +815,8 @@ def past_attention(
     and num_stages are launch settings: only speed depends on them (the GPU benchmark sweeps them). The
     default tile is halved, once per shape, on a GPU whose shared memory per block cannot hold it.
     direct_keys: the plane-split loop's direct-keys form where `launch.direct_keys_config` gives it, with that
-    function's tile and warps unless block_n / num_warps are given (a launch setting too: the same values;
-    elsewhere the call runs as without it).
+    function's tile, warps and stages unless given (a launch setting too: the same values; elsewhere the call
+    runs as without it).
     Returns (out fp32 [B, Hq, n, D], lse fp32 [B, Hq, n]). A `mask`, or a shape outside
     `supports_attention`, is handed to the reference (the decode path never passes a mask).
     """
@@ -823,9 +829,11 @@ def past_attention(
     cc = capability(query.device)
     default_n, default_warps = launch_config(d, block_m, cc, method_kind(kv))
     spec = kv.spec
+    default_stages = NUM_STAGES
     direct_config = direct_keys_config(spec, d, block_m, cc) if direct_keys else None
     if direct_config:
-        default_n, default_warps = direct_config
+        default_n, default_warps, default_stages = direct_config
+    num_stages = num_stages or default_stages
     explicit_block_n = block_n is not None
     # a GPU with less shared memory per block than sm_90 (a T4 has 64 KiB) cannot run the default tile:
     # halve it until it launches, once per shape, and remember what fits (a block_n given is not changed)
