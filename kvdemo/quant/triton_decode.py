@@ -255,22 +255,27 @@ def _plane_split_tiles(
     Keys: q . k_t = sum_planes sum_c (q_c s_c) b_tc + (q . z - 1024 sum_c (q_c s_c)), with the codes b as the
     PTX leaves them, 1024 + c (high nibbles 1024 + 16 c: their plane's query takes the 1/16), and the bracket
     computed once per key block from the same fp16 (q_c s_c) the dot multiplies, so the offset cancels. With
-    4-bit keys the query is rounded to fp16 once and q s in fp16 (both rounded, no hi + lo split); with 8-bit
-    keys q s is rounded from fp32: |score error| <= 2^-11 (1 + 2^-10) sum_c |q_c| (|k_tc| + |s_c| (c_tc + 1)),
+    4-bit keys (and on one warp) the query is rounded to fp16 once and q s in fp16 (both rounded, no hi + lo
+    split); with 8-bit keys on more warps q s is rounded from fp32: |score error| <= 2^-11 (1 + 2^-10) sum_c |q_c| (|k_tc| + |s_c| (c_tc + 1)),
     what a 16-bit SDPA's own rounding of q and k gives (tests/test_triton.py states and checks the bound). The
     softmax weights are taken against a reference that moves only when a row's max passes it by more than
     2^RESCALE_LOG2 (weights up to 2^8, fp16 keeps them to 2^-11 relative). Values are
     dequantized per plane in fp16 (s_t c + z_t), as in the first loop. Returns (acc [BM, D] fp32, m_i, l_i),
     log2 domain.
 
-    DIRECT (`launch.direct_keys_allowed`; the same values in another order): the key tile is loaded transposed
+    DIRECT (`launch.direct_keys_config`; the same values in another order): the key tile is loaded transposed
     and each plane unpacked by a block Triton traces through (`_int_planes_traced`), so the score dot reads the
     codes from the asynchronous copy's buffer straight into the tensor cores' layout (no store, barrier and
     reload between unpacking and the dot); the folded query is kept in registers across a key block; the value
     tile comes first and is dequantized at once, so its bytes are waited for with the keys' and it goes to
     shared memory before the softmax's exchange across warps (one barrier for both). Fewer barriers and
     shared-memory trips, more register moves (the score dot is laid out for 8-bit data): `bench/compile_sm90.py`
-    counts both, the GPU benchmark times both."""
+    counts both, the GPU benchmark times both. With the query rounded to fp16, q . z - 1024 sum_c qs_c is summed
+    on the tensor cores (`_times_row`) into a tile that starts the score dot's accumulator.
+
+    ONE_WARP (a program of one warp, `launch.direct_keys_config`): the softmax's row maximum and sums stay within
+    the warp; for registers, 8-bit keys' query is rounded to fp16 too and the query is read again (from cache)
+    on entering each key block instead of kept."""
     K_PL: tl.constexpr = 8 // K_BITS  # planes of D / K_PL channels each (8 bits: 1, 4 bits: 2)
     V_PL: tl.constexpr = 8 // V_BITS
     KDP: tl.constexpr = D // K_PL
@@ -507,7 +512,9 @@ def _decode_split_kernel(
     [B, H, rows, cap]); K_ROTATED: the codes see the query qr_ptr (fp32 q @ R, the layout of q; values'
     rotation is undone on the partial outputs by the caller); K_ROPE: rotary dim of pre-RoPE keys, turned
     by cos/sin fp32 [rows, K_ROPE] (row stride scs_t) after dequantizing the tile.
-    DIRECT_KEYS: the plane-split loop's direct-keys form (`_plane_split_tiles`; the same values).
+    DIRECT_KEYS: the plane-split loop's direct-keys form (`_plane_split_tiles`; the same values). ONE_WARP: the
+    program is one warp (`launch.direct_keys_config`): its shared memory kept small (the full-precision rows
+    unpipelined), registers too (`_plane_split_tiles`).
     """
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
