@@ -389,14 +389,15 @@ def test_goal_point_loop_table_is_the_compile_report(name, first):
     """The goal-point variants' loop mix against a memory-bound loop's budgets, from the shipped compile reports
     (triton 3.9, and 3.6: the device machine's)."""
     page, report = _page("kernels.md"), _report(name)
-    header = [first, "registers", "warps per SM", "loop instructions", "moves", "PRMT"]
-    header += ["shared loads / stores", "barriers", "MMA", "global loads (async copies)", "issue floor ms"]
+    header = [first, "tile (warps)", "registers", "warps per SM", "loop instructions", "moves", "PRMT"]
+    header += ["shared loads / stores", "barriers", "MMA", "global loads (async copies)", "spills", "issue floor ms"]
     at, rows = _table(page, [*header, "memory floor ms"])
     _says_date(page, at, report["date"], within=6000)
     goal = {r["format"]: r for r in report["rows"] if "goal_floors" in r}
     assert [row[0] for row in rows] == list(goal)
-    for fmt, regs, warps, loop, moves, prmt, shared, barriers, mma, loads, issue, memory in rows:
+    for fmt, tile, regs, warps, loop, moves, prmt, shared, barriers, mma, loads, spills, issue, memory in rows:
         r, m = goal[fmt], goal[fmt]["loop_mix"]
+        assert tile == f"{r['consts']['BLOCK_N']} ({r['num_warps']})" and int(spills) == r["spill_stores"]
         assert (int(regs), int(warps), int(loop)) == (r["registers"], r["warps_per_sm"], r["loop_instructions"])
         assert (int(moves), int(prmt), int(barriers), int(mma)) == (m["moves"], m["prmt"], m["barriers"], m["mma"])
         assert shared == f"{m['shared_loads']} / {m['shared_stores']}"

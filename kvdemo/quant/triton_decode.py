@@ -274,8 +274,8 @@ def _plane_split_tiles(
     on the tensor cores (`_times_row`) into a tile that starts the score dot's accumulator.
 
     ONE_WARP (a program of one warp, `launch.direct_keys_config`): the softmax's row maximum and sums stay within
-    the warp; for registers, 8-bit keys' query is rounded to fp16 too and the query is read again (from cache)
-    on entering each key block instead of kept."""
+    the warp, so the sums are taken on every tile (no [rows, tile] accumulator); for registers, 8-bit keys' query
+    is rounded to fp16 too and the query is read again (from cache) on entering each key block instead of kept."""
     K_PL: tl.constexpr = 8 // K_BITS  # planes of D / K_PL channels each (8 bits: 1, 4 bits: 2)
     V_PL: tl.constexpr = 8 // V_BITS
     KDP: tl.constexpr = D // K_PL
@@ -301,6 +301,7 @@ def _plane_split_tiles(
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: exp2(-inf - m_i) is 0, never nan
     qz = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # softmax weights summed per row and tile column
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for tile in range(t_begin, t_end):
         start = tile * BLOCK_N
         pos = start + offs_n  # [BN] absolute positions; rows [0, S) are dummies
@@ -367,16 +368,21 @@ def _plane_split_tiles(
             acc0 *= alpha[:, None]
             acc1 *= alpha[:, None]
             l_t *= alpha[:, None]
+            l_i *= alpha
             m_i = m_new
         p = tl.exp2(s - (m_i - qz)[:, None])  # [BM, BN]
-        l_t += p  # row sums after the loop: no reduction across warps per tile
+        if ONE_WARP:  # summed within the warp: no [rows, tile] accumulator to keep in registers
+            l_i += tl.sum(p, 1)
+        else:
+            l_t += p  # row sums after the loop: no reduction across warps per tile
         p16 = p.to(tl.float16)
         if not DIRECT:
             v0, v1 = v0 * vs[:, None] + vz[:, None], v1 * vs[:, None] + vz[:, None]  # values: fp16 s c + z
         acc0 = tl.dot(p16, v0, acc0)
         if V_PL == 2:
             acc1 = tl.dot(p16, v1, acc1)
-    l_i = tl.sum(l_t, 1)
+    if not ONE_WARP:
+        l_i = tl.sum(l_t, 1)
     if V_PL == 2:
         acc = tl.reshape(tl.permute(tl.join(acc0, acc1), (0, 2, 1)), (BLOCK_M, D))
     else:
