@@ -104,9 +104,14 @@ def sm90(tmp_path_factory) -> dict:
 
 
 # Spill bytes a quick variant may have, per triton version (every other variant: none). The one-warp direct-keys
-# form (`launch.direct_keys_config`) sits at its register cap: triton 3.9's code spills 22 bytes there (11 reloads
-# a tile, counted in its loop's instructions); 3.6, the GPU machine's version, spills none.
-SPILLS_ALLOWED = {"3.9": {"k:int4 v:int4 direct keys": 32}}
+# form (`launch.direct_keys_config`) sits at its register cap (168: 12 one-warp programs per SM), where ptxas keeps
+# a few values in local memory (L1): 18, 18 and 35 bytes with 3.9, 0, 1 and 14 with 3.6 (the GPU machine's
+# version); their reloads are counted in the loop's instructions. A bound, not a blank cheque: a few bytes over.
+_DIRECT = ("k:int4 v:int4 direct keys", "k:int8 v:int8 direct keys", "k:int8 v:int4 direct keys")
+SPILLS_ALLOWED = {
+    "3.9": dict(zip(_DIRECT, (24, 24, 40), strict=True)),
+    "3.6": dict(zip(_DIRECT, (0, 8, 16), strict=True)),
+}
 
 
 def test_kernels_compile_for_sm90_without_spills(sm90):
@@ -164,22 +169,17 @@ def test_decode_loop_relative_to_int4(sm90):
 # int8 and k8v4 loops meet, per triton version: 12 warps per SM (the plane-split variants are compiled with a
 # register cap, `launch.max_registers`), the issue floor under the memory floor, and no plain global load (the values'
 # scale and zero are one 4-byte word a token, copied asynchronously). At most 4 barriers per tile is met by the
-# direct-keys form (`launch.direct_keys_config`): int4's, one warp per program, meets all four with both versions;
-# k8v4's, on 4 warps, with 3.9 (3.6: 5 barriers). int8 has no direct-keys form (8-bit values spill there). A
-# version without a report is held to what both meet.
+# direct-keys form (`launch.direct_keys_config`), one warp per program on 16-token tiles at head_dim 128: 2 barriers
+# a tile, and with them all four budgets for int4, int8 and k8v4 with both versions. A version without a report is
+# held to what both meet.
 _STAGED = {
     "at least 12 warps per SM",
     "issue floor at or below the memory floor",
     "no non-async global load in the loop",
 }
-GOAL_BUDGETS_MET = {
-    "3.9": dict.fromkeys(["k:int4 v:int4", "k:int8 v:int8", "k:int8 v:int4"], _STAGED)
-    | dict.fromkeys(
-        ["k:int4 v:int4 direct keys", "k:int8 v:int4 direct keys"], _STAGED | {"at most 4 barriers per tile"}
-    ),
-    "3.6": dict.fromkeys(["k:int4 v:int4", "k:int8 v:int8", "k:int8 v:int4", "k:int8 v:int4 direct keys"], _STAGED)
-    | {"k:int4 v:int4 direct keys": _STAGED | {"at most 4 barriers per tile"}},
-}
+_ALL = _STAGED | {"at most 4 barriers per tile"}
+_MET = dict.fromkeys(["k:int4 v:int4", "k:int8 v:int8", "k:int8 v:int4"], _STAGED) | dict.fromkeys(_DIRECT, _ALL)
+GOAL_BUDGETS_MET = {"3.9": _MET, "3.6": _MET}
 
 
 def goal_budget_misses(rows: list[dict], version: str) -> list[str]:
@@ -215,7 +215,7 @@ def test_budgets_catch_a_regression_not_another_version():
     both kinds, at a measured version and (relative to int4) at one without a report, where a version slower
     everywhere alike passes."""
     c39, c36 = (issue_counts(_report(REPORTS[v])["rows"]) for v in ("3.9", "3.6"))
-    assert len(c39) == 18 and c39.keys() == c36.keys()
+    assert len(c39) == 19 and c39.keys() == c36.keys()
     assert not budget_misses(c39, "3.9") and not budget_misses(c36, "3.6")
     assert not relative_misses(c39, "3.9") and not relative_misses(c36, "3.6")
     assert budget_misses(c36, "3.9")  # 3.6's int2 (57.5) and Hadamard (58.8) rows are over 3.9's budgets
