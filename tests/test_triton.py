@@ -416,7 +416,8 @@ def test_direct_keys_form_gives_the_staged_forms_values(td, spec, grp, head_dim,
     the reference only (`query_rounding_bound`; test_plane_split_scores_need_no_hi_lo_query checks it on keys
     spanning decades)."""
     kv = _layer(spec, 2, head_dim, chunks, seed=70 + head_dim).packed()
-    assert launch.direct_keys_config(kv.spec, head_dim, 16) == ((16, 1, 2) if head_dim == 128 else (64, 4, 3))
+    stages = 3 if kv.spec.key.bits == kv.spec.value.bits == 4 else 2  # one warp: as deep as shared memory allows
+    assert launch.direct_keys_config(kv.spec, head_dim, 16) == ((16, 1, stages) if head_dim == 128 else (64, 4, 3))
     query = torch.randn(1, 2 * grp, 1, head_dim, generator=torch.Generator().manual_seed(71))
     want_out, want_lse = ref_attn.past_attention(query, kv, head_dim**-0.5)
     out, lse = td.past_attention(query, kv, head_dim**-0.5, num_splits=splits, direct_keys=True)
@@ -466,7 +467,7 @@ def test_plane_split_formats_before_sm80_take_the_first_loop(td, monkeypatch):
 def test_direct_keys_only_where_it_compiles_without_spills():
     """Any plane-split format on one warp, 4-bit values on 4 warps; elsewhere (8-bit values on 4 warps, 8-warp
     blocks, loops other than plane-split) the call runs the staged form. Its launch: one warp on 16-token tiles
-    (2 stages) at head_dim 128, the default tile on 4 warps elsewhere; not for more query rows than decode's 16,
+    (`launch.ONE_WARP_STAGES`) at head_dim 128, the default tile on 4 warps elsewhere; not for more query rows than decode's 16,
     nor before sm_80."""
     allowed = {
         (s, w): launch.direct_keys_allowed(parse_precision(s), 128, w)
@@ -477,7 +478,7 @@ def test_direct_keys_only_where_it_compiles_without_spills():
         (s, 1) for s in ("int4", "k8v4", "int8", "k4v8")
     }
     config = {s: launch.direct_keys_config(parse_precision(s), 128, 16) for s in ("int4", "k8v4", "int8", "fp8")}
-    assert config == {"int4": (16, 1, 2), "k8v4": (16, 1, 2), "int8": (16, 1, 2), "fp8": None}
+    assert config == {"int4": (16, 1, 3), "k8v4": (16, 1, 2), "int8": (16, 1, 2), "fp8": None}
     assert launch.direct_keys_config(parse_precision("int4"), 64, 16) == (64, 4, 3)
     assert launch.direct_keys_config(parse_precision("int8"), 64, 16) is None
     assert launch.direct_keys_config(parse_precision("int4"), 128, 32) is None
