@@ -164,10 +164,10 @@ ONE_WARP_STAGES = {4: 3, 8: 2}
 
 def direct_keys_config(spec, head_dim: int, block_m: int, cc: tuple[int, int] = (9, 0)) -> tuple[int, int, int] | None:
     """(tokens per tile, warps, pipeline stages) of the direct-keys form for decode rows (block_m 16), or None where
-    it is not taken. At head_dim 128 it runs one warp per program on 16-token tiles, ONE_WARP_STAGES deep: the softmax's row maximum
-    and sums stay inside the warp (no exchange across warps: 2 barriers a tile), the query is rounded to fp16
-    once and q . z comes from the tensor cores, and the loop issues fewer instructions per token than on 4 warps
-    (`bench/compile_sm90.py`). Elsewhere, 4-bit values keep the default tile on 4 warps."""
+    it is not taken. At head_dim 128 it runs one warp per program on 16-token tiles, ONE_WARP_STAGES deep: the
+    softmax's row maximum and sums stay inside the warp (no exchange across warps: 2 barriers a tile), the query
+    is rounded to fp16 once and q . z comes from the tensor cores, and the loop issues fewer instructions per
+    token than on 4 warps (`bench/compile_sm90.py`). Elsewhere, 4-bit values keep the default tile on 4 warps."""
     if block_m != 16 or not fold_once(head_dim, cc):
         return None
     if head_dim == 128 and direct_keys_allowed(spec, head_dim, 1):
