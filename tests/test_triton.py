@@ -431,6 +431,19 @@ def test_direct_keys_form_gives_the_staged_forms_values(td, spec, grp, head_dim,
     torch.testing.assert_close(lse, staged_lse, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("spec", ["int4:g128:r128:s4", "int8:g128:r128:s4"])
+def test_one_warp_programs_of_the_staged_form(td, spec):
+    """A one-warp launch of the default (staged) form takes the kernel's one-warp paths too (`ONE_WARP`: weights
+    summed per tile, the query re-read per key block, 8-bit keys' query rounded to fp16): the reference's
+    attention within the bound."""
+    kv = _layer(spec, 2, 128, [300], seed=5).packed()
+    query = torch.randn(1, 8, 1, 128, generator=torch.Generator().manual_seed(6))
+    want_out, want_lse = ref_attn.past_attention(query, kv, 128**-0.5)
+    out, lse = td.past_attention(query, kv, 128**-0.5, num_warps=1, num_splits=3)
+    assert_out_close(out, want_out, query, kv, 128**-0.5)
+    assert_lse_close(lse, want_lse, query, kv, 128**-0.5)
+
+
 def test_values_stored_elsewhere_are_paired_for_the_plane_split_loop(td):
     """The cache stores a token's value scale and zero side by side (`reference.paired`, `QuantizedTensor.paired`),
     which the plane-split loop reads as one word; values built elsewhere (separate scale and zero tensors) are
