@@ -256,8 +256,8 @@ def _plane_split_tiles(
     PTX leaves them, 1024 + c (high nibbles 1024 + 16 c: their plane's query takes the 1/16), and the bracket
     computed once per key block from the same fp16 (q_c s_c) the dot multiplies, so the offset cancels. With
     4-bit keys (and on one warp) the query is rounded to fp16 once and q s in fp16 (both rounded, no hi + lo
-    split); with 8-bit keys on more warps q s is rounded from fp32: |score error| <= 2^-11 (1 + 2^-10) sum_c |q_c| (|k_tc| + |s_c| (c_tc + 1)),
-    what a 16-bit SDPA's own rounding of q and k gives (tests/test_triton.py states and checks the bound). The
+    split); with 8-bit keys on more warps q s is rounded from fp32: |score error| <= 2^-11 (1 + 2^-10)
+    sum_c |q_c| (|k_tc| + |s_c| (c_tc + 1)), what a 16-bit SDPA's own rounding of q and k gives (tests/test_triton.py states and checks the bound). The
     softmax weights are taken against a reference that moves only when a row's max passes it by more than
     2^RESCALE_LOG2 (weights up to 2^8, fp16 keeps them to 2^-11 relative). Values are
     dequantized per plane in fp16 (s_t c + z_t), as in the first loop. Returns (acc [BM, D] fp32, m_i, l_i),
@@ -285,6 +285,7 @@ def _plane_split_tiles(
     # 4-bit keys: the query in the log2 domain rounded to fp16 once, [BM, KDP] per plane (the high nibbles come
     # as 1024 + 16 c: their plane's query takes the 1/16), times the key scales in fp16 (rounded once more).
     # 8-bit keys (one plane of D channels, registers at the cap): the fp32 query times fp32 scales, rounded once
+    # (on one warp, as 4-bit keys: the query in fp16)
     Q16: tl.constexpr = K_PL == 2 or ONE_WARP  # one warp: 8-bit keys' query rounded to fp16 too (registers)
     q0, q1 = _query_planes(q_rows, row_ok, qk_scale, KDP, Q16, K_PL == 2)
     if Q16:
@@ -295,7 +296,7 @@ def _plane_split_tiles(
     if DIRECT:
         qs0 = tl.zeros([BLOCK_M, KDP], dtype=tl.float16)  # the folded query, kept across a key block's tiles
         qs1 = qs0
-        qz_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # 4-bit keys: q . z - 1024 sum_c qs_c per column
+        qz_t = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # fp16 query: q . z - 1024 sum_c qs_c per column
     acc0 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # output channels [0, VDP)
     acc1 = tl.zeros([BLOCK_M, VDP], dtype=tl.float32)  # [VDP, D) with 4-bit values
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: exp2(-inf - m_i) is 0, never nan
@@ -343,7 +344,7 @@ def _plane_split_tiles(
             v0, v1 = v0 * vs[:, None] + vz[:, None], v1 * vs[:, None] + vz[:, None]
             kbyte = tl.load(kc_base + pos[None, :] * skc_t + offs_k[:, None], mask=valid[None, :], other=0)
             k0, k1 = _int_planes_traced(kbyte, K_BITS, PTX)  # [KDP, BN] fp16 each, 1024 + c (+ 16 c)
-            s = tl.dot(qs0, k0, qz_t)  # [BM, BN]; 4-bit keys: q . z in from the start (qz stays 0)
+            s = tl.dot(qs0, k0, qz_t)  # [BM, BN]; fp16 query: q . z in from the start (qz stays 0)
             if K_PL == 2:
                 s = tl.dot(qs1, k1, s)
         else:
