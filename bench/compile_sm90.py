@@ -364,11 +364,7 @@ def decode_variants(quick: bool, cc: tuple[int, int] = (9, 0)) -> list[dict]:
                             | {"format": rows[-1]["format"] + " direct keys", "variant": "direct keys"}
                             | {"num_warps": d_warps, "num_stages": d_stages}
                             | {"maxnreg": launch.max_registers(spec, head_dim, d_warps)}
-                            | {
-                                "consts": consts
-                                | {"BLOCK_N": d_n, "DIRECT_KEYS": True}
-                                | ({"ONE_WARP": True} if d_warps == 1 else {})
-                            }
+                            | {"consts": consts | {"BLOCK_N": d_n} | launch.form_constants(True, d_warps)}
                         )
     for half in ("bf16", "fp32"):
         rows.append(rows[0] | {"half": half, "format": rows[0]["format"] + f" ({half} query and residual)"})

@@ -6,8 +6,8 @@
 #
 # First call, `bash bench/device_check.sh` (at most about 4.5 minutes: run it with timeout_s 300):
 #   1. decode.json: decode attention at the goal point (Llama-3.1-8B heads, batch 8, 64k) for SDPA and int4,
-#      int8, k8v4, fp8, eager and from CUDA graphs (int4 and k8v4 in both forms of the plane-split loop: the
-#      default and direct keys), and the launch-setting sweep (gpu_attention.py --sections
+#      int8, k8v4, fp8, eager and from CUDA graphs (int4, int8 and k8v4 in both forms of the plane-split loop:
+#      the default and direct keys), and the launch-setting sweep (gpu_attention.py --sections
 #      copy,decode,sweep; the methods' formats left out; DECODE_TIMEOUT_S, default 100);
 #   2. ncu_stalls.json: Nsight Compute's stall reasons of the int4 decode call (bench/ncu_stalls.py; a row saying
 #      ncu is absent where it is; NCU_TIMEOUT_S, default 60);

@@ -291,7 +291,7 @@ class _PartBuffers:
         )  # fmt: skip
         self.codes.append(q.codes)
         if self.paired:
-            self.scale.append(torch.cat([q.scale, q.zero], dim=-1))
+            self.scale.append(reference.pair_rows(q.scale, q.zero))
         else:
             self.scale.append(q.scale)
             if q.zero is not None:
@@ -310,8 +310,7 @@ class _PartBuffers:
             m = self.method
             scale, zero = self.scale.view(meta_rows), self.zero.view(meta_rows)
             if self.paired:
-                w = scale.shape[-1] // 2
-                scale, zero = scale[..., :w], scale[..., w:]
+                scale, zero = reference.unpair_rows(scale)
             quantized = QuantizedTensor(
                 self.codes.view(code_rows),
                 scale,

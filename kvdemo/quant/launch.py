@@ -157,6 +157,12 @@ def direct_keys_allowed(spec, head_dim: int, num_warps: int) -> bool:
     return plane_split(spec, head_dim) and (num_warps == 1 or (spec.value.bits == 4 and num_warps == 4))
 
 
+def form_constants(direct: bool, num_warps: int) -> dict:
+    """The decode kernel's constexprs for the loop's form and the program's size: DIRECT_KEYS where the direct-keys
+    form runs, ONE_WARP for a program of one warp; each left out when off, so other variants compile as before."""
+    return ({"DIRECT_KEYS": True} if direct else {}) | ({"ONE_WARP": True} if num_warps == 1 else {})
+
+
 # pipeline depth of one-warp programs: as deep as 12 of them fit an SM's shared memory (8-bit codes: 2; 4-bit
 # keys and values take half the bytes a tile: 3, so about as many bytes are in flight)
 ONE_WARP_STAGES = {4: 3, 8: 2}

@@ -100,16 +100,26 @@ def values_paired(spec) -> bool:
     return spec.is_quantized and spec.value.has_zero("token")
 
 
+def pair_rows(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Scale and zero [..., W] as one tensor's rows [..., 2W]: W scales, then W zeros (`unpair_rows` splits them)."""
+    return torch.cat([scale, zero], dim=-1)
+
+
+def unpair_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (scale, zero) halves [..., W] of `pair_rows`' rows [..., 2W], as views."""
+    w = rows.shape[-1] // 2
+    return rows[..., :w], rows[..., w:]
+
+
 def paired(q: QuantizedTensor) -> QuantizedTensor:
-    """q with its scale and zero [..., W] as the two halves of one [..., 2W] tensor's rows (W scales, then W
-    zeros), how the cache stores values' metadata (`q.paired` says so): a token's scale and zero of one group
-    are then one 4-byte word, which the decode kernel copies asynchronously (a 2-byte load it would wait on).
-    One copy, unless q is paired already."""
+    """q with its scale and zero [..., W] as the two halves of one [..., 2W] tensor's rows (`pair_rows`), how
+    the cache stores values' metadata (`q.paired` says so): a token's scale and zero of one group are then one
+    4-byte word, which the decode kernel copies asynchronously (a 2-byte load it would wait on). One copy,
+    unless q is paired already."""
     if q.paired or q.zero is None:
         return q
-    w = q.scale.shape[-1]
-    both = torch.cat([q.scale, q.zero], dim=-1)
-    return replace(q, scale=both[..., :w], zero=both[..., w:], paired=True)
+    scale, zero = unpair_rows(pair_rows(q.scale, q.zero))
+    return replace(q, scale=scale, zero=zero, paired=True)
 
 
 def code_bits(fmt: str) -> int:
